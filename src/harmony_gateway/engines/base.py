@@ -1,0 +1,135 @@
+"""The engine seam: one request/chunk shape that every engine client (SGLang gRPC, vLLM gRPC, HTTP) speaks.
+
+Engine modules normalise their wire format (delta vs cumulative ids, a final message that repeats the
+last chunk, stripped stop tokens) into `EngineChunk`s, so the pipeline sees one shape. Engine clients
+translate transport failures into `errors.Upstream*` at their boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """Sampling fields, always sent explicitly (proto3 sends unset numbers as 0)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    structural_tag: str | None = None
+    stream_interval: int | None = None
+
+
+@dataclass(slots=True)
+class BootstrapInfo:
+    """Prefill/decode disaggregation rendezvous: the prefill worker's host/port and one shared room."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingOptions
+    stream: bool = True
+    original_text: str = ""
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    bootstrap: BootstrapInfo | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineChunk:
+    """New output of one choice. `finished` marks the last chunk of that choice."""
+
+    index: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop_token: int | None = None
+    matched_stop_str: str | None = None
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    served_model_name: str
+    model_type: str = ""
+    architectures: list[str] = field(default_factory=list)
+    max_context_length: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    tokenizer_path: str = ""
+
+    @property
+    def looks_harmony(self) -> bool:
+        return (
+            self.model_type == "gpt_oss"
+            or "GptOssForCausalLM" in self.architectures
+            or "gpt-oss" in self.served_model_name.lower()
+        )
+
+    @staticmethod
+    def parse_sampling_json(*blobs: str) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for blob in blobs:
+            if not blob:
+                continue
+            try:
+                value = json.loads(blob)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                merged.update(value)
+        return merged
+
+
+class EngineClient(Protocol):
+    """One connection to one engine worker. Implementations reuse one channel for all requests."""
+
+    url: str
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def health(self, timeout: float) -> bool: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+        """Stream chunks for every choice; raises errors.Upstream* on failure. Cancelling the iteration
+        does not abort the engine request: callers call `abort` (dispatch does, shielded)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,130 @@
+"""Domain errors, raised anywhere and turned into HTTP/SSE errors in one place (api/error_responses.py).
+
+    GatewayError
+    ├── InvalidRequest            400  (param names the offending field)
+    ├── AuthenticationFailed      401
+    ├── NotFound                  404
+    │   └── ModelNotFound         404  code model_not_found
+    ├── Conflict                  409
+    ├── RateLimited               429
+    ├── NoHealthyWorker           503
+    └── UpstreamError             502  (the engine misbehaved)
+        ├── UpstreamTimeout       504
+        ├── UpstreamUnavailable   503  (recoverable: another worker may serve the request)
+        ├── UpstreamRejected      400  (the engine refused the request as invalid)
+        └── UpstreamBadOutput     502  (model output that is not Harmony at all)
+
+Each class carries `status_code`, `error_type` and a default `code`; instances may override `code`
+and `param`. Only `api/error_responses.py` and `api/sse.py` turn them into wire bodies.
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway reports to a client."""
+
+    status_code: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def to_dict(self) -> dict[str, object]:
+        return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+
+
+class InvalidRequest(GatewayError):
+    """Raised when a request is malformed or asks for something the model cannot do."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class AuthenticationFailed(GatewayError):
+    """Raised when an API key is missing or unknown."""
+
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(GatewayError):
+    """Raised when a named object (response, conversation, item, worker) does not exist or is not visible."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ModelNotFound(NotFound):
+    """Raised when no worker serves the requested model."""
+
+    code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    """Raised when the request conflicts with an object's state."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class RateLimited(GatewayError):
+    """Raised when admission control refuses a request; retry later."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class NoHealthyWorker(GatewayError):
+    """Raised when no healthy worker can take the request (recoverable once a worker returns)."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "no_healthy_worker"
+
+
+class UpstreamError(GatewayError):
+    """Raised when the engine failed the request."""
+
+    status_code = 502
+    error_type = "server_error"
+    code = "upstream_error"
+
+    #: True when nothing was generated yet, so the request may be retried on another worker.
+    retryable: bool = False
+
+
+class UpstreamTimeout(UpstreamError):
+    """Raised when the engine did not answer within the configured timeout."""
+
+    status_code = 504
+    code = "upstream_timeout"
+
+
+class UpstreamUnavailable(UpstreamError):
+    """Raised when the engine cannot be reached; recoverable on another worker."""
+
+    status_code = 503
+    code = "upstream_unavailable"
+    retryable = True
+
+
+class UpstreamRejected(UpstreamError):
+    """Raised when the engine rejected the request as invalid (gRPC INVALID_ARGUMENT)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class UpstreamBadOutput(UpstreamError):
+    """Raised when model output is not Harmony at all; never passed off as content."""
+
+    status_code = 502
+    code = "bad_model_output"
