@@ -12,6 +12,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from openai_harmony import (
     Conversation,
@@ -23,6 +24,9 @@ from openai_harmony import (
 )
 
 from .vocab import VocabularyUnavailable, ensure_vocab_env
+
+if TYPE_CHECKING:
+    from .messages import Msg, PromptPrefix
 
 START = 200006
 CHANNEL = 200005
@@ -64,47 +68,89 @@ def _assistant_header() -> tuple[int, ...]:
 
 
 class PromptRenderer:
-    """Renders Harmony prompts for completion, caching the rendered tokens of repeated prefix messages.
+    """Renders Harmony prompts for completion, identical to openai-harmony's own rendering, much faster.
 
-    Agents resend the same system and developer messages on every turn; their tokens are cached by a
-    caller-supplied key (bounded LRU), and the remaining messages are rendered one by one.
+    - The system+developer prefix is rendered by openai-harmony as one conversation (the system text
+      depends on the developer message's tools) and cached per caller-supplied key: agents resend the
+      same prefix every turn.
+    - Every other message is its header frame + the text encoded as ordinary BPE + its terminator.
+      openai-harmony encodes message text as ordinary text (special-token strings in user text stay
+      text), so the frame is cached per header and the text goes through quicktok, which costs ~1 µs
+      instead of ~200 µs per message. Property tests (tests/harmony/test_render_fast_path.py) prove the
+      result equal to `render_conversation_for_completion` over generated conversations.
     """
 
-    def __init__(self, encoding: HarmonyEncoding | None = None, cache_size: int = 256) -> None:
+    _SENTINEL = "\u00a7"  # a single-token text whose encoding never merges with the frame around it
+
+    def __init__(self, encoding: HarmonyEncoding | None = None, cache_size: int = 512) -> None:
+        import quicktok
+
         self._encoding = encoding or get_encoding()
+        self._encode_text = quicktok.get_encoding("o200k_base").encode_ordinary
         self._prefix_cache: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self._frames: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
         self._cache_size = cache_size
+        self._sentinel_ids = self._encode_text(self._SENTINEL)
 
-    def render_message(self, message: Message) -> list[int]:
-        return self._encoding.render(message)
+    def _frame(self, msg: Msg) -> tuple[list[int], list[int]]:
+        key = (msg.role, msg.channel, msg.recipient, msg.content_type, msg.name)
+        frame = self._frames.get(key)
+        if frame is None:
+            probe = msg._replace(text=self._SENTINEL)
+            tokens = self._encoding.render(probe.to_harmony())
+            n = len(self._sentinel_ids)
+            at = _find_sublist(tokens, self._sentinel_ids)
+            frame = (tokens[:at], tokens[at + n :])
+            if len(self._frames) < 4096:  # recipients are model-chosen; bound the table
+                self._frames[key] = frame
+        return frame
 
-    def render_prefix(self, key: Hashable, messages: Sequence[Message]) -> list[int]:
+    def render_message(self, msg: Msg) -> list[int]:
+        head, tail = self._frame(msg)
+        return [*head, *self._encode_text(msg.text), *tail]
+
+    def has_prefix(self, prefix: PromptPrefix) -> bool:
+        return prefix.key in self._prefix_cache
+
+    def render_prefix(self, prefix: PromptPrefix) -> list[int]:
+        key = prefix.key
         cached = self._prefix_cache.get(key)
         if cached is not None:
             self._prefix_cache.move_to_end(key)
             return cached
-        tokens: list[int] = []
-        for message in messages:
-            tokens.extend(self._encoding.render(message))
+        tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
         self._prefix_cache[key] = tokens
         if len(self._prefix_cache) > self._cache_size:
             self._prefix_cache.popitem(last=False)
         return tokens
 
-    def render_for_completion(
-        self, prefix_key: Hashable, prefix: Sequence[Message], rest: Sequence[Message]
-    ) -> list[int]:
-        tokens = list(self.render_prefix(prefix_key, prefix))
-        for message in rest:
-            tokens.extend(self._encoding.render(message))
-        tokens.extend(_assistant_header())
+    def render_for_completion(self, prefix: PromptPrefix, history: Sequence[Msg]) -> list[int]:
+        tokens = list(self.render_prefix(prefix))
+        for msg in history:
+            head, tail = self._frame(msg)
+            tokens += head
+            tokens += self._encode_text(msg.text)
+            tokens += tail
+        tokens += _assistant_header()
         return tokens
 
+    def encode_text(self, text: str) -> list[int]:
+        return self._encode_text(text)
 
-def render_reference(messages: Sequence[Message]) -> list[int]:
+
+def _find_sublist(haystack: list[int], needle: list[int]) -> int:
+    n = len(needle)
+    for i in range(len(haystack) - n, -1, -1):
+        if haystack[i : i + n] == needle:
+            return i
+    raise ValueError("sentinel not found in rendered frame")
+
+
+def render_reference(messages: Sequence[Any]) -> list[int]:
     """openai-harmony's own one-shot rendering: the oracle every fast path is tested against."""
+    harmony_messages = [m if isinstance(m, Message) else m.to_harmony() for m in messages]
     return get_encoding().render_conversation_for_completion(
-        Conversation.from_messages(list(messages)), Role.ASSISTANT
+        Conversation.from_messages(harmony_messages), Role.ASSISTANT
     )
 
 

@@ -1,0 +1,116 @@
+"""The one mapping from exceptions to OpenAI-style error responses (REFERENCE §8).
+
+`GatewayError` → its status and `{"error": {message, type, param, code}}`; request validation errors →
+400 with `param` naming the field; anything else → 500 with the request id and `x-should-retry: false`
+(a gateway bug will not heal on retry). Every response carries `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from ..errors import GatewayError, InvalidRequest, NoHealthyWorker, RateLimited, UpstreamUnavailable
+
+log = logging.getLogger(__name__)
+
+
+def request_id_of(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or ""
+
+
+def error_response(
+    request: Request, status: int, error: dict[str, Any], headers: dict[str, str] | None = None
+) -> Response:
+    out_headers = {"x-request-id": request_id_of(request)}
+    if headers:
+        out_headers.update(headers)
+    return Response(
+        orjson.dumps({"error": error}), status_code=status, media_type="application/json", headers=out_headers
+    )
+
+
+def param_from_loc(loc: tuple[Any, ...]) -> str | None:
+    parts: list[str] = []
+    for piece in loc:
+        if piece in ("body",):
+            continue
+        if isinstance(piece, int):
+            if parts:
+                parts[-1] = f"{parts[-1]}[{piece}]"
+            continue
+        # pydantic names union members ("str", "list[...]", "function-after[...]"): not fields
+        if isinstance(piece, str) and (
+            "[" in piece or piece in ("str", "int", "float", "bool", "dict", "list")
+        ):
+            continue
+        parts.append(str(piece))
+    return ".".join(parts) or None
+
+
+def validation_error_to_invalid(exc: ValidationError | RequestValidationError) -> InvalidRequest:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = param_from_loc(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{message} (at {param})"
+    return InvalidRequest(message, param=param)
+
+
+def gateway_error_response(request: Request, exc: GatewayError) -> Response:
+    headers: dict[str, str] = {}
+    if isinstance(exc, (RateLimited, NoHealthyWorker, UpstreamUnavailable)):
+        headers["retry-after"] = "1"
+    if exc.status_code < 500 or exc.status_code == 501:
+        headers["x-should-retry"] = "false"
+    if exc.status_code >= 500:
+        log.warning("request %s failed: %s", request_id_of(request), exc.message)
+    return error_response(request, exc.status_code, exc.to_dict(), headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(GatewayError)
+    async def _gateway(request: Request, exc: GatewayError) -> Response:
+        return gateway_error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return gateway_error_response(request, validation_error_to_invalid(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(request: Request, exc: ValidationError) -> Response:
+        return gateway_error_response(request, validation_error_to_invalid(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = "not_found" if exc.status_code == 404 else None
+        return error_response(
+            request,
+            exc.status_code,
+            {"message": str(exc.detail), "type": error_type, "param": None, "code": code},
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        rid = request_id_of(request)
+        log.exception("unexpected error in request %s", rid, exc_info=exc)
+        return error_response(
+            request,
+            500,
+            {
+                "message": f"internal error (request id {rid})",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            },
+            {"x-should-retry": "false"},
+        )

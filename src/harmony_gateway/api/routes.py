@@ -1,0 +1,137 @@
+"""Thin HTTP handlers: parse the body, build a RequestContext, call the pipeline, write the response."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response, StreamingResponse
+
+from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
+from ..observability.logging import log_request
+from ..pipeline.context import GatewayState, RequestContext, new_request_id
+from ..pipeline.run import run_chat
+from .schemas.chat import ChatCompletionRequest
+
+router = APIRouter()
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def gateway(request: Request) -> GatewayState:
+    return request.app.state.gateway  # type: ignore[no-any-return]
+
+
+def owner_of(state: GatewayState, request: Request) -> str:
+    """The API key's owner id ("" when the gateway is open); 401 when keys are configured and missing."""
+    keys = state.settings.api_keys
+    if not keys:
+        return ""
+    header = request.headers.get("authorization", "")
+    token = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    if not token or token not in keys:
+        raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+    return hashlib.sha256(token.encode()).hexdigest()[:24]
+
+
+def new_context(request: Request, route: str, state: GatewayState) -> RequestContext:
+    owner = owner_of(state, request)
+    request_id = request.headers.get("x-request-id") or new_request_id()
+    request.state.request_id = request_id
+    routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
+    return RequestContext(request_id=request_id, route=route, owner=owner, routing_key=routing_key)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    body = await request.body()
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return data
+
+
+def json_response(data: Any, ctx: RequestContext | None = None, status: int = 200) -> Response:
+    headers = {"x-request-id": ctx.request_id} if ctx is not None else None
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIterator[bytes]:
+    try:
+        async for piece in stream:
+            yield piece
+    finally:
+        log_request(ctx)
+
+
+def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> StreamingResponse:
+    return StreamingResponse(
+        _logged(stream, ctx),
+        media_type="text/event-stream",
+        headers={**SSE_HEADERS, "x-request-id": ctx.request_id},
+    )
+
+
+async def run_logged(ctx: RequestContext, coro: Any) -> Any:
+    try:
+        return await coro
+    except GatewayError as exc:
+        ctx.status = exc.status_code
+        log_request(ctx)
+        raise
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = gateway(request)
+    ctx = new_context(request, "chat", state)
+    body = await json_body(request)
+    if state.settings.log_prompts:
+        ctx.log_extra["messages"] = body.get("messages")
+    chat_request = ChatCompletionRequest.model_validate(body)
+    result = await run_logged(ctx, run_chat(state, chat_request, ctx))
+    if isinstance(result, dict):
+        log_request(ctx)
+        return json_response(result, ctx)
+    return sse_response(result, ctx)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = gateway(request)
+    owner_of(state, request)
+    created = int(state.fleet.started_at) if hasattr(state.fleet, "started_at") else int(time.time())
+    data = [
+        {"id": group.name, "object": "model", "created": created, "owned_by": "harmony-gateway"}
+        for group in state.fleet.groups.values()
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner_of(state, request)
+    group = state.fleet.group(model_id)
+    return json_response(
+        {"id": group.name, "object": "model", "created": int(time.time()), "owned_by": "harmony-gateway"}
+    )
+
+
+@router.get("/health")
+async def health() -> Response:
+    return json_response({"status": "ok"})
+
+
+@router.get("/readiness")
+async def readiness(request: Request) -> Response:
+    state = gateway(request)
+    if not state.fleet.ready():
+        raise NoHealthyWorker("no healthy worker is available")
+    return json_response({"status": "ready", "models": sorted(state.fleet.groups)})

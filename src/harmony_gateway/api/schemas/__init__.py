@@ -1,0 +1,1 @@
+"""Wire schemas: OpenAI's names for OpenAI's shapes."""

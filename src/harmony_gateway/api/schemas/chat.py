@@ -1,0 +1,81 @@
+"""Chat Completions request schema (OpenAI wire names). Unknown fields are accepted and ignored."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str | None = None
+
+
+class ToolCall(_Open):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDefinition(_Open):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Open):
+    type: str
+    function: FunctionDefinition | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatCompletionRequest(_Open):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    seed: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    #: Extension: a cap on analysis tokens, after which the gateway moves the model to its final answer.
+    max_reasoning_tokens: int | None = Field(default=None, ge=1)

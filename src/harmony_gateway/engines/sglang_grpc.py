@@ -1,0 +1,181 @@
+"""Engine client for the SGLang scheduler gRPC service (`sglang.grpc.scheduler.SglangScheduler`).
+
+Normalises SGLang's stream into `EngineChunk`s: chunks carry new token ids; in stream mode the final
+`GenerateComplete` repeats the last chunk's tokens (smg_grpc_servicer), so its ids are ignored and it
+contributes only the finish reason, counts and matched stop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from .base import EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
+from .grpc_errors import map_grpc_errors, translate_rpc_error
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def grpc_target(url: str) -> str:
+    for prefix in ("grpc://", "grpcs://"):
+        if url.startswith(prefix):
+            return url[len(prefix) :].rstrip("/")
+    return url
+
+
+def _logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
+    if lp is None or not lp.token_ids:
+        return None
+    out = []
+    tops = lp.top_logprobs
+    for i, (tid, value) in enumerate(zip(lp.token_ids, lp.token_logprobs, strict=False)):
+        top = []
+        if i < len(tops):
+            top = list(zip(tops[i].token_ids, tops[i].values, strict=False))
+        out.append(TokenLogprob(tid, value, top))
+    return out[start:]
+
+
+class SglangGrpcClient:
+    """One channel per worker, reused by every request."""
+
+    engine = "sglang"
+
+    def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
+        self.url = url
+        self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.SglangSchedulerStub(self._channel)
+        self._request_timeout = request_timeout
+
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return ModelInfo(
+            served_model_name=info.served_model_name or info.model_path,
+            model_type=info.model_type,
+            architectures=list(info.architectures),
+            max_context_length=info.max_context_length,
+            eos_token_ids=list(info.eos_token_ids),
+            default_sampling=ModelInfo.parse_sampling_json(
+                info.default_sampling_params_json, info.preferred_sampling_params
+            ),
+            tokenizer_path=info.tokenizer_path,
+        )
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return json_format.MessageToDict(info.server_args) if info.HasField("server_args") else {}
+
+    async def health(self, timeout: float) -> bool:
+        with map_grpc_errors(self.url):
+            reply = await self._stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
+        return bool(reply.healthy)
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        with map_grpc_errors(self.url):
+            await self._stub.Abort(
+                pb.AbortRequest(request_id=request_id, reason="client gone"), timeout=timeout
+            )
+
+    def to_proto(self, request: GenerateRequest) -> pb.GenerateRequest:
+        s = request.sampling
+        params = pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+            skip_special_tokens=s.skip_special_tokens,
+            n=s.n,
+            min_new_tokens=s.min_new_tokens,
+            ignore_eos=s.ignore_eos,
+            no_stop_trim=s.no_stop_trim,
+        )
+        if s.max_new_tokens is not None:
+            params.max_new_tokens = s.max_new_tokens
+        if s.stream_interval is not None:
+            params.stream_interval = s.stream_interval
+        if s.json_schema is not None:
+            params.json_schema = s.json_schema
+        elif s.regex is not None:
+            params.regex = s.regex
+        elif s.structural_tag is not None:
+            params.structural_tag = s.structural_tag
+        message = pb.GenerateRequest(
+            request_id=request.request_id,
+            tokenized=pb.TokenizedInput(original_text=request.original_text, input_ids=request.input_ids),
+            sampling_params=params,
+            stream=request.stream,
+            return_logprob=request.return_logprob,
+            top_logprobs_num=request.top_logprobs_num,
+        )
+        if request.return_logprob:
+            message.logprob_start_len = -1
+        if request.bootstrap is not None:
+            message.disaggregated_params.CopyFrom(
+                pb.DisaggregatedParams(
+                    bootstrap_host=request.bootstrap.host,
+                    bootstrap_port=request.bootstrap.port,
+                    bootstrap_room=request.bootstrap.room,
+                )
+            )
+        return message
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        stream = request.stream
+        try:
+            async for reply in call:
+                which = reply.WhichOneof("response")
+                if which == "chunk":
+                    c = reply.chunk
+                    yield EngineChunk(
+                        c.index,
+                        list(c.token_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        _logprobs(c.output_logprobs) if request.return_logprob else None,
+                    )
+                elif which == "complete":
+                    c = reply.complete
+                    matched = (
+                        c.matched_token_id if c.WhichOneof("matched_stop") == "matched_token_id" else None
+                    )
+                    yield EngineChunk(
+                        c.index,
+                        [] if stream else list(c.output_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        None if stream or not request.return_logprob else _logprobs(c.output_logprobs),
+                        True,
+                        c.finish_reason or "stop",
+                        matched,
+                        c.matched_stop_str if c.WhichOneof("matched_stop") == "matched_stop_str" else None,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            raise translate_rpc_error(exc, self.url) from exc
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)

@@ -1,0 +1,336 @@
+"""Incremental classification of generated Harmony tokens into reasoning, answer text and tool calls.
+
+One `HarmonyOutputParser` per choice wraps openai-harmony's `StreamableParser` (non-strict) and turns its
+state into events, decided per token and identically for streaming and non-streaming (REFERENCE §3.1):
+
+- `(START, msg, None)` when a message header is complete (its kind is known from recipient and channel),
+- `(DELTA, msg, text)` for each piece of content text,
+- `(DONE, msg, None)` when the message is terminated (or closed at end of stream).
+
+Recoverable quirks of real gpt-oss output are tolerated: tokens after a completed message (vllm#50690),
+refusals without `<|message|>` (harmony#80), bare recipients. Output that is not Harmony at all raises
+`UpstreamBadOutput` before any special-token text can reach a client.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamableParser, StreamState
+
+from ..errors import UpstreamBadOutput
+from .encoding import CALL, END, FIRST_SPECIAL_ID, MESSAGE, RETURN
+
+# Message kinds.
+REASONING = 0  # analysis channel, or a call to a tool that is not enabled
+ANSWER = 1  # final channel, or a message without a channel
+PREAMBLE = 2  # commentary without a recipient: answer text the user may see
+FUNCTION_CALL = 3  # a call to a client-side function
+TOOL_CALL = 4  # a call to a gateway-executed tool (built-in or MCP namespace)
+DROPPED = 5  # a message the model wrote in another role's name
+
+# Event types.
+START = 0
+DELTA = 1
+DONE = 2
+
+INVALID_TOOL_NAME = "__invalid_tool__"
+_SPECIAL_TEXTS = (
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+    "<|endoftext|>",
+    "<|startoftext|>",
+)
+_STATE_CONTENT = StreamState.CONTENT
+_STATE_EXPECT_START = StreamState.EXPECT_START
+
+
+def new_call_id() -> str:
+    return "call_" + os.urandom(12).hex()
+
+
+def clean_recipient(recipient: str | None) -> str | None:
+    """Strip leaked control tokens (`<|...`) and whitespace from a recipient; None when nothing is left."""
+    if not recipient:
+        return None
+    cut = recipient.find("<|")
+    if cut >= 0:
+        recipient = recipient[:cut]
+    recipient = recipient.strip()
+    return recipient or None
+
+
+def has_special_text(text: str) -> bool:
+    return "<|" in text and any(marker in text for marker in _SPECIAL_TEXTS)
+
+
+class ParsedMessage:
+    """One generated message: its header, classification and text. Mutated while it streams."""
+
+    __slots__ = (
+        "call_id",
+        "call_index",
+        "channel",
+        "content_type",
+        "item_id",
+        "kind",
+        "name",
+        "parts",
+        "recipient",
+        "terminated",
+        "terminator",
+        "tokens",
+    )
+
+    def __init__(
+        self, kind: int, channel: str | None, recipient: str | None, content_type: str | None
+    ) -> None:
+        self.kind = kind
+        self.channel = channel
+        self.recipient = recipient
+        self.content_type = content_type
+        self.name: str | None = None
+        self.parts: list[str] = []
+        self.terminated = False
+        self.terminator: int | None = None
+        self.tokens = 0
+        self.call_id: str | None = None
+        self.call_index = -1
+        self.item_id: str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self.parts) != 1:
+            self.parts = ["".join(self.parts)]
+        return self.parts[0]
+
+    def __repr__(self) -> str:
+        return f"ParsedMessage(kind={self.kind}, channel={self.channel!r}, recipient={self.recipient!r}, text={self.text!r})"
+
+
+Event = tuple[int, ParsedMessage, str | None]
+
+
+class HarmonyOutputParser:
+    """Parses one choice's output tokens. Not thread-safe; feed tokens in order, then call `finish`."""
+
+    def __init__(
+        self,
+        encoding: HarmonyEncoding,
+        function_names: frozenset[str] = frozenset(),
+        tool_namespaces: frozenset[str] = frozenset(),
+    ) -> None:
+        self._parser = StreamableParser(encoding, Role.ASSISTANT, strict=False)
+        self._functions = function_names
+        self._namespaces = tool_namespaces
+        self.messages: list[ParsedMessage] = []
+        self._open: ParsedMessage | None = None
+        self._in_content = False
+        self._header_tokens = 0
+        self._completed = 0
+        self._halted = False
+        self.calls = 0
+        self.reasoning_tokens = 0
+        self.output_tokens = 0
+        #: Tokens ignored after the output stopped being parseable (trailing quirks); for metrics and logs.
+        self.ignored_tokens = 0
+        self.parse_error: str | None = None
+
+    # -- classification -------------------------------------------------------------------------
+    def classify(self, channel: str | None, recipient: str | None, role: str | None) -> ParsedMessage:
+        recipient = clean_recipient(recipient)
+        if role is not None and role != "assistant":
+            return ParsedMessage(DROPPED, channel, recipient, None)
+        if recipient and recipient != "assistant":
+            if recipient.startswith("functions."):
+                msg = ParsedMessage(FUNCTION_CALL, channel, recipient, None)
+                msg.name = clean_recipient(recipient[10:]) or INVALID_TOOL_NAME
+                return msg
+            if recipient in self._functions:
+                msg = ParsedMessage(FUNCTION_CALL, channel, recipient, None)
+                msg.name = recipient
+                return msg
+            namespace = recipient.split(".", 1)[0]
+            if namespace in self._namespaces or recipient in self._namespaces:
+                msg = ParsedMessage(TOOL_CALL, channel, recipient, None)
+                msg.name = recipient
+                return msg
+            return ParsedMessage(REASONING, channel, recipient, None)
+        if channel == "analysis":
+            return ParsedMessage(REASONING, channel, None, None)
+        if channel == "commentary":
+            return ParsedMessage(PREAMBLE, channel, None, None)
+        return ParsedMessage(ANSWER, channel, None, None)
+
+    def _start(self, msg: ParsedMessage, events: list[Event]) -> None:
+        if msg.kind == FUNCTION_CALL:
+            msg.call_index = self.calls
+            msg.call_id = new_call_id()
+            self.calls += 1
+        self.messages.append(msg)
+        self._open = msg
+        events.append((START, msg, None))
+
+    def _close(self, completed_text: str | None, terminator: int | None, events: list[Event]) -> None:
+        """Close the open message; emit text the deltas did not carry (refusals carry none)."""
+        msg = self._open
+        if msg is None:
+            return
+        if completed_text is not None:
+            emitted = msg.text
+            if completed_text != emitted and completed_text.startswith(emitted):
+                rest = completed_text[len(emitted) :]
+                msg.parts.append(rest)
+                events.append((DELTA, msg, rest))
+        msg.terminated = terminator is not None
+        msg.terminator = terminator
+        if msg.kind == REASONING:
+            self.reasoning_tokens += msg.tokens
+        events.append((DONE, msg, None))
+        self._open = None
+        if completed_text is not None:
+            self._completed += 1
+
+    def _halt(self, reason: str) -> None:
+        """Stop parsing. Fatal only when nothing usable was produced: output that is not Harmony."""
+        self._halted = True
+        self.parse_error = reason
+        if self._completed == 0:
+            raise UpstreamBadOutput(f"the model output is not valid Harmony ({reason})")
+
+    # -- feeding ---------------------------------------------------------------------------------
+    def feed(self, token_ids: Iterable[int]) -> list[Event]:
+        events: list[Event] = []
+        if self._halted:
+            for _ in token_ids:
+                self.ignored_tokens += 1
+            return events
+        parser = self._parser
+        for token in token_ids:
+            self.output_tokens += 1
+            try:
+                parser.process(token)
+            except HarmonyError as exc:
+                self._drop_open(events)
+                self._halt(str(exc))
+                self.ignored_tokens += 1
+                break
+            if token < FIRST_SPECIAL_ID:
+                if self._in_content:
+                    msg = self._open
+                    msg.tokens += 1  # type: ignore[union-attr]
+                    delta = parser.last_content_delta
+                    if delta:
+                        msg.parts.append(delta)  # type: ignore[union-attr]
+                        events.append((DELTA, msg, delta))  # type: ignore[arg-type]
+                else:
+                    self._header_tokens += 1
+                continue
+            state = parser.state
+            if state == _STATE_CONTENT:
+                if self._in_content:
+                    # A special token swallowed as text: the output is not Harmony. Fail before any
+                    # delta carrying special-token text is sent (SMG streams `<|message|>` here).
+                    self._drop_open(events)
+                    self._halt(f"control token {token} inside message content")
+                    break
+                if token == MESSAGE:
+                    role = parser.current_role
+                    msg = self.classify(
+                        parser.current_channel,
+                        parser.current_recipient,
+                        role.value if role is not None else None,
+                    )
+                    msg.content_type = parser.current_content_type
+                    msg.tokens = self._header_tokens + 1
+                    self._header_tokens = 0
+                    self._in_content = True
+                    self._start(msg, events)
+                continue
+            if state == _STATE_EXPECT_START and token in (END, CALL, RETURN):
+                self._complete(token, events)
+            else:
+                self._header_tokens += 1
+        return events
+
+    def _complete(self, terminator: int | None, events: list[Event]) -> None:
+        completed = self._parser.messages[-1]
+        text = "".join(getattr(part, "text", "") for part in completed.content)
+        if has_special_text(text):
+            self._drop_open(events)
+            self._halt("control-token text inside a completed message")
+            return
+        if self._open is None:
+            # A header-only message (a refusal without <|message|>): its text arrives all at once.
+            role = completed.author.role
+            msg = self.classify(completed.channel, completed.recipient, role.value if role else None)
+            msg.content_type = completed.content_type
+            msg.tokens = self._header_tokens
+            self._header_tokens = 0
+            self._start(msg, events)
+        else:
+            self._open.tokens += 1
+        self._in_content = False
+        self._close(text, terminator, events)
+
+    def _drop_open(self, events: list[Event]) -> None:
+        """Close a message interrupted by unparseable output; it stays unterminated (incomplete)."""
+        if self._open is not None:
+            self._close(None, None, events)
+        self._in_content = False
+
+    def finish(self) -> list[Event]:
+        """Close an unterminated message (the engine stopped for length, or stripped the stop token)."""
+        events: list[Event] = []
+        if self._halted:
+            return events
+        if self._parser.state == _STATE_EXPECT_START and self._open is None:
+            return events
+        emitted_before = self._open.text if self._open is not None else None
+        try:
+            self._parser.process_eos()
+        except HarmonyError as exc:
+            self._drop_open(events)
+            self._halt(str(exc))
+            return events
+        if self._open is not None:
+            self._in_content = False
+            self._close(emitted_before, None, events)
+        elif self._parser.state == _STATE_EXPECT_START and self._header_tokens:
+            self._complete(None, events)
+            if self.messages:
+                self.messages[-1].terminated = False
+        return events
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def open_message(self) -> ParsedMessage | None:
+        return self._open
+
+    @property
+    def halted(self) -> bool:
+        return self._halted
+
+
+__all__ = [
+    "ANSWER",
+    "DELTA",
+    "DONE",
+    "DROPPED",
+    "FUNCTION_CALL",
+    "PREAMBLE",
+    "REASONING",
+    "START",
+    "TOOL_CALL",
+    "HarmonyOutputParser",
+    "ParsedMessage",
+    "clean_recipient",
+    "has_special_text",
+    "new_call_id",
+]

@@ -1,0 +1,76 @@
+"""Logging set-up: plain text or one JSON object per line (`--log-json`), and the per-request line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import orjson
+
+if TYPE_CHECKING:
+    from ..pipeline.context import RequestContext
+
+request_log = logging.getLogger("harmony_gateway.requests")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        payload = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if extra:
+            payload.update(extra)
+        if record.exc_info:
+            payload["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(payload, default=str).decode()
+
+
+def configure_logging(level: str = "info", json_lines: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore", "grpc", "mcp", "sqlalchemy.engine"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+
+
+def log_request(ctx: RequestContext) -> None:
+    """One line per request: id, route, model, worker, status, tokens, latency (no prompt text)."""
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    latency_ms = (time.perf_counter() - ctx.started) * 1000
+    fields = {
+        "request_id": ctx.request_id,
+        "route": ctx.route,
+        "model": ctx.model,
+        "worker": ctx.worker.url if ctx.worker is not None else None,
+        "status": ctx.status,
+        "prompt_tokens": ctx.prompt_tokens,
+        "completion_tokens": ctx.completion_tokens,
+        "retries": ctx.retries,
+        "latency_ms": round(latency_ms, 2),
+        **ctx.log_extra,
+    }
+    if ctx.first_token_at is not None:
+        fields["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 2)
+    request_log.info(
+        "%s %s model=%s status=%s tokens=%s/%s %.1fms",
+        ctx.request_id,
+        ctx.route,
+        ctx.model,
+        ctx.status,
+        ctx.prompt_tokens,
+        ctx.completion_tokens,
+        latency_ms,
+        extra={"fields": fields},
+    )

@@ -1,0 +1,36 @@
+"""Stage 3, build: the engine request for the chosen worker(s), with PD bootstrap fields."""
+
+from __future__ import annotations
+
+import random
+
+from ..engines.base import BootstrapInfo, GenerateRequest
+from ..routing.workers import Worker
+from .context import PreparedRequest, RequestContext
+
+
+def bootstrap_for(prefill: Worker, default_port: int) -> BootstrapInfo:
+    """One random room shared by both sides; host and port are the prefill worker's."""
+    host = prefill.url.split("://", 1)[-1].rsplit(":", 1)[0]
+    port = prefill.bootstrap_port or default_port
+    return BootstrapInfo(host=host, port=port, room=random.randrange(0, 2**31 - 1))
+
+
+def build_generate_request(
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    *,
+    stream: bool,
+    bootstrap: BootstrapInfo | None = None,
+    input_ids: list[int] | None = None,
+) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=ctx.request_id,
+        input_ids=prepared.input_ids if input_ids is None else input_ids,
+        sampling=prepared.sampling,
+        stream=stream,
+        original_text=prepared.original_text,
+        return_logprob=prepared.return_logprob,
+        top_logprobs_num=prepared.top_logprobs,
+        bootstrap=bootstrap,
+    )

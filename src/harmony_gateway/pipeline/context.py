@@ -1,0 +1,83 @@
+"""What travels through the pipeline: the gateway's shared components, one request's context, and the
+prepared request that the prepare stage hands to select, build and dispatch."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..engines.base import SamplingOptions
+from ..settings import Settings
+
+if TYPE_CHECKING:
+    from openai_harmony import HarmonyEncoding
+
+    from ..harmony.encoding import PromptRenderer
+    from ..harmony.messages import Msg, PromptPrefix
+    from ..routing.fleet import Fleet, ModelGroup
+    from ..routing.workers import Worker
+
+
+@dataclass(eq=False)
+class GatewayState:
+    """The object graph built once in the app lifespan; pipeline stages read it, never rebuild it."""
+
+    settings: Settings
+    fleet: Fleet
+    encoding: HarmonyEncoding
+    renderer: PromptRenderer
+    store: Any = None
+    mcp: Any = None
+    metrics: Any = None
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+    background: Any = None
+
+
+def new_request_id() -> str:
+    return os.urandom(12).hex()
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    request_id: str
+    route: str
+    owner: str = ""
+    routing_key: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    model: str = ""
+    worker: Worker | None = None
+    prefill_worker: Worker | None = None
+    first_token_at: float | None = None
+    retries: int = 0
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    log_extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class PreparedRequest:
+    """A request ready for routing: prompt ids, sampling and what the output parser must know."""
+
+    group: ModelGroup
+    input_ids: list[int]
+    sampling: SamplingOptions
+    selection_text: str
+    stream: bool
+    n: int = 1
+    harmony: bool = True
+    function_names: frozenset[str] = frozenset()
+    tool_namespaces: frozenset[str] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    max_reasoning_tokens: int | None = None
+    effort: str = "medium"
+    return_logprob: bool = False
+    top_logprobs: int = 0
+    original_text: str = ""
+    #: Harmony prompt pieces, kept for continuations (reasoning budget, tool loops).
+    prefix: PromptPrefix | None = None
+    history: list[Msg] = field(default_factory=list)
+    #: For non-Harmony models: the output post-processors chosen for the model.
+    output_adapter: Any = None

@@ -1,0 +1,165 @@
+"""Stage 4, dispatch: send the engine request to the selected worker(s) and stream its chunks.
+
+- A failure before the first chunk (connection refused, UNAVAILABLE) is retried on another worker with
+  backoff, at most `max_retries` times; after a chunk has been yielded a failure is raised, never
+  replayed.
+- Any exit other than normal completion (client disconnect, consumer error, timeout) sends `Abort`,
+  shielded and bounded, so the engine frees the request's KV cache; then the original error propagates.
+- PD: the same request goes to a prefill and a decode worker with one bootstrap room; tokens come from
+  decode; a failure of either side cancels the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+
+from ..engines.base import EngineChunk, GenerateRequest
+from ..errors import UpstreamError, UpstreamTimeout
+from ..routing.health import record_failure, record_success
+from ..routing.workers import Worker
+from .build_request import bootstrap_for, build_generate_request
+from .context import GatewayState, PreparedRequest, RequestContext
+from .select_worker import select_worker
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
+    # Shielded: a cancelled client must still free the engine's KV cache.
+    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+        try:
+            await worker.client.abort(request_id)
+        except Exception as exc:  # the request is gone either way; never mask the original error
+            log.debug("abort of %s on %s failed: %s", request_id, worker.url, exc)
+
+
+async def _first_then_rest(
+    stream: AsyncIterator[EngineChunk], first_token_timeout: float, url: str
+) -> AsyncIterator[EngineChunk]:
+    try:
+        async with asyncio.timeout(first_token_timeout):
+            first = await anext(stream)
+    except StopAsyncIteration:
+        return
+    except TimeoutError:
+        raise UpstreamTimeout(f"engine at {url} sent no output within {first_token_timeout:g} s") from None
+    yield first
+    async for chunk in stream:
+        yield chunk
+
+
+async def _drain_prefill(worker: Worker, request: GenerateRequest) -> EngineChunk | None:
+    last = None
+    async for chunk in worker.client.generate(request):
+        last = chunk
+    return last
+
+
+async def _generate_pd(
+    decode: Worker, prefill: Worker, request: GenerateRequest, timeout: float
+) -> AsyncIterator[EngineChunk]:
+    consumer = asyncio.current_task()
+    prefill_task = asyncio.create_task(_drain_prefill(prefill, request))
+
+    def _on_prefill_done(task: asyncio.Task[EngineChunk | None]) -> None:
+        if not task.cancelled() and task.exception() is not None and consumer is not None:
+            consumer.cancel()  # decode would wait forever for the KV transfer
+
+    prefill_task.add_done_callback(_on_prefill_done)
+    try:
+        async for chunk in _first_then_rest(decode.client.generate(request), timeout, decode.url):
+            if chunk.finished and not chunk.prompt_tokens and prefill_task.done():
+                prefill_last = prefill_task.result()
+                if prefill_last is not None:
+                    chunk.prompt_tokens = prefill_last.prompt_tokens
+                    chunk.cached_tokens = chunk.cached_tokens or prefill_last.cached_tokens
+            yield chunk
+    except asyncio.CancelledError:
+        if prefill_task.done() and not prefill_task.cancelled() and prefill_task.exception() is not None:
+            if consumer is not None:
+                consumer.uncancel()
+            raise prefill_task.exception() from None  # type: ignore[misc]
+        raise
+    finally:
+        prefill_task.remove_done_callback(_on_prefill_done)
+        if not prefill_task.done():
+            prefill_task.cancel()
+
+
+async def dispatch(
+    state: GatewayState,
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    *,
+    stream: bool,
+    input_ids: list[int] | None = None,
+    pinned: Worker | None = None,
+) -> AsyncIterator[EngineChunk]:
+    """Stream engine chunks for a prepared request. `pinned` keeps a tool loop on one worker while it
+    stays available (its prefix cache holds the conversation)."""
+    settings = state.settings
+    timeouts = settings.timeouts
+    metrics = state.metrics
+    tried: list[Worker] = []
+    attempt = 0
+    while True:
+        if pinned is not None and pinned.available() and not tried:
+            worker, prefill = pinned, None
+        else:
+            worker, prefill = select_worker(prepared, ctx, exclude=tried)
+        ctx.worker, ctx.prefill_worker = worker, prefill
+        bootstrap = bootstrap_for(prefill, settings.bootstrap_port) if prefill is not None else None
+        request = build_generate_request(
+            prepared, ctx, stream=stream, bootstrap=bootstrap, input_ids=input_ids
+        )
+        yielded = False
+        finished = False
+        workers = (worker,) if prefill is None else (worker, prefill)
+        for w in workers:
+            w.in_flight += 1
+        try:
+            if prefill is None:
+                chunks = _first_then_rest(worker.client.generate(request), timeouts.first_token, worker.url)
+            else:
+                chunks = _generate_pd(worker, prefill, request, timeouts.first_token)
+            async with asyncio.timeout(timeouts.total):
+                async for chunk in chunks:
+                    if not yielded:
+                        yielded = True
+                        if ctx.first_token_at is None:
+                            ctx.first_token_at = time.perf_counter()
+                    yield chunk
+            finished = True
+            for w in workers:
+                record_success(w)
+            return
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"engine at {worker.url} did not finish within {timeouts.total:g} s"
+            ) from None
+        except UpstreamError as exc:
+            for w in workers:
+                record_failure(w, settings)
+            if yielded or not exc.retryable or attempt >= settings.max_retries:
+                raise
+            attempt += 1
+            ctx.retries += 1
+            tried.extend(workers)
+            if metrics is not None:
+                metrics.retries.labels(model=prepared.group.name).inc()
+            log.info("retrying %s on another worker after %s", ctx.request_id, exc.message)
+            await asyncio.sleep(settings.retry_backoff * (2 ** (attempt - 1)))
+        finally:
+            for w in workers:
+                w.in_flight -= 1
+                hook = getattr(prepared.group.policy, "on_request_done", None)
+                if hook is not None and w.kind.value == "regular":
+                    hook(w, None)
+            if not finished:
+                for w in workers:
+                    await _abort(w, ctx.request_id, timeouts.abort)

@@ -1,0 +1,199 @@
+"""Stage 5, parse: engine chunks of one choice → parser events → chat-level deltas.
+
+`ChoiceOutput` owns one `HarmonyOutputParser` per choice. It feeds new token ids in order, closes the
+output when the engine finishes (feeding a stripped stop token, or `process_eos()`), applies client
+stop strings to answer text only, and counts tokens. Chat deltas are tuples so the per-token path
+allocates little:
+
+    (CONTENT, text) | (REASONING_TEXT, text) | (TOOL_OPEN, call_index, call_id, name) | (TOOL_ARGS, call_index, text)
+
+Streamed and non-streamed responses are both built from these deltas, so their texts are identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engines.base import EngineChunk
+from ..harmony import token_parser as tp
+from ..harmony.encoding import ASSISTANT_STOP_IDS
+from .context import GatewayState, PreparedRequest
+
+CONTENT = 0
+REASONING_TEXT = 1
+TOOL_OPEN = 2
+TOOL_ARGS = 3
+
+
+class StopScanner:
+    """Finds client stop strings in answer text, holding back a tail that may start a stop string."""
+
+    __slots__ = ("_buffer", "_hold", "_stops")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._hold = max(len(s) for s in stops) - 1
+        self._buffer = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buffer = self._buffer + text
+        cut = -1
+        for stop in self._stops:
+            at = buffer.find(stop)
+            if at >= 0 and (cut < 0 or at < cut):
+                cut = at
+        if cut >= 0:
+            self._buffer = ""
+            return buffer[:cut], True
+        if self._hold and len(buffer) > self._hold:
+            self._buffer = buffer[-self._hold :]
+            return buffer[: -self._hold], False
+        if self._hold:
+            self._buffer = buffer
+            return "", False
+        self._buffer = ""
+        return buffer, False
+
+    def flush(self) -> str:
+        text, self._buffer = self._buffer, ""
+        return text
+
+
+class ChoiceOutput:
+    """The output of one choice, for Chat Completions."""
+
+    __slots__ = (
+        "_answer_started",
+        "_reasoning_separator_due",
+        "_reasoning_started",
+        "_separator_due",
+        "_stop",
+        "cached_tokens",
+        "completion_tokens",
+        "content_parts",
+        "engine_finish",
+        "index",
+        "finished",
+        "include_reasoning",
+        "matched_stop",
+        "parser",
+        "prompt_tokens",
+        "reasoning_parts",
+        "stop_hit",
+        "tool_calls",
+    )
+
+    def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+        self.index = index
+        self.parser = tp.HarmonyOutputParser(
+            state.encoding, prepared.function_names, prepared.tool_namespaces
+        )
+        self._stop = StopScanner(prepared.stop_strings) if prepared.stop_strings else None
+        self.stop_hit = False
+        self.finished = False
+        self.engine_finish: str | None = None
+        self.matched_stop: int | str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.include_reasoning = True
+        self._answer_started = False
+        self._reasoning_started = False
+        self._separator_due = False
+        self._reasoning_separator_due = False
+        # Accumulated results (non-stream bodies and usage).
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.tool_calls: list[tp.ParsedMessage] = []
+
+    # -- engine chunks → chat deltas ------------------------------------------------------------
+    def feed(self, chunk: EngineChunk) -> list[tuple[Any, ...]]:
+        if self.finished:
+            return []
+        events = self.parser.feed(chunk.token_ids) if chunk.token_ids else []
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens:
+            self.completion_tokens = chunk.completion_tokens
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+        if chunk.finished:
+            self.engine_finish = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop_token or chunk.matched_stop_str
+            stop_token = chunk.matched_stop_token
+            if (
+                stop_token in ASSISTANT_STOP_IDS
+                and not self.parser.halted
+                and self.parser.open_message is not None
+            ):
+                # The engine stripped the stop token: feed it so the last message closes properly.
+                events += self.parser.feed([stop_token])
+            events += self.parser.finish()
+            self.finished = True
+        return self._translate(events) if events else []
+
+    def close(self) -> list[tuple[Any, ...]]:
+        """Finish parsing when the output ends without a finished chunk (a stop string was hit)."""
+        if self.finished:
+            return []
+        self.finished = True
+        return self._translate(self.parser.finish())
+
+    def _translate(self, events: list[tp.Event]) -> list[tuple[Any, ...]]:
+        deltas: list[tuple[Any, ...]] = []
+        for etype, msg, text in events:
+            kind = msg.kind
+            if kind == tp.ANSWER or kind == tp.PREAMBLE:
+                if self.stop_hit:
+                    continue
+                if etype == tp.DELTA:
+                    if self._stop is not None:
+                        text, hit = self._stop.push(text)  # type: ignore[arg-type]
+                        if hit:
+                            self.stop_hit = True
+                            self.engine_finish = "stop"
+                    if text:
+                        if self._separator_due:
+                            text = "\n" + text
+                            self._separator_due = False
+                        self._answer_started = True
+                        self.content_parts.append(text)
+                        deltas.append((CONTENT, text))
+                elif etype == tp.START:
+                    self._separator_due = self._answer_started
+                elif self._stop is not None:  # DONE: release the held-back tail
+                    tail = self._stop.flush()
+                    if tail:
+                        self.content_parts.append(tail)
+                        deltas.append((CONTENT, tail))
+            elif kind == tp.REASONING:
+                if etype == tp.DELTA:
+                    if self._reasoning_separator_due:
+                        text = "\n" + text  # type: ignore[operator]
+                        self._reasoning_separator_due = False
+                    self._reasoning_started = True
+                    self.reasoning_parts.append(text)  # type: ignore[arg-type]
+                    if self.include_reasoning:
+                        deltas.append((REASONING_TEXT, text))
+                elif etype == tp.START:
+                    self._reasoning_separator_due = self._reasoning_started
+            elif kind == tp.FUNCTION_CALL:
+                if etype == tp.START:
+                    deltas.append((TOOL_OPEN, msg.call_index, msg.call_id, msg.name))
+                elif etype == tp.DELTA:
+                    deltas.append((TOOL_ARGS, msg.call_index, text))
+                elif msg.terminated:
+                    self.tool_calls.append(msg)
+        return deltas
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def finish_reason(self) -> str:
+        """`length` wins (a call cut by length must not be executed); then `tool_calls`; else `stop`."""
+        if self.stop_hit:
+            return "stop"
+        if self.engine_finish == "length":
+            return "length"
+        if self.tool_calls:
+            return "tool_calls"
+        return "stop"

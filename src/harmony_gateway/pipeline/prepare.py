@@ -1,0 +1,301 @@
+"""Stage 1, prepare: validate a request and turn it into prompt ids, sampling and a selection text.
+
+Harmony models get a Harmony conversation (system: effort and date; developer: instructions and tools;
+then the history) rendered by `PromptRenderer`; other models are handled by `pipeline/chat_template.py`.
+Raises `InvalidRequest` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from ..api.schemas.chat import ChatCompletionRequest, ChatMessage
+from ..engines.base import SamplingOptions
+from ..errors import InvalidRequest
+from ..harmony.encoding import ASSISTANT_STOP_IDS
+from ..harmony.messages import (
+    FunctionTool,
+    Msg,
+    PromptPrefix,
+    SystemOptions,
+    assistant,
+    assistant_call,
+    dedupe_function_tools,
+    developer_text,
+    drop_old_analysis,
+    parse_reasoning_effort,
+    tool_result,
+    user,
+)
+from ..routing.fleet import ModelGroup
+from .context import GatewayState, PreparedRequest
+
+SELECTION_TEXT_CHARS = 2000
+
+
+def conversation_date(state: GatewayState) -> str:
+    return state.settings.conversation_start_date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+
+
+def system_options(
+    state: GatewayState, effort: str, *, browser: bool = False, python: bool = False
+) -> SystemOptions:
+    s = state.settings
+    return SystemOptions(
+        effort=effort,
+        conversation_start_date=conversation_date(state),
+        model_identity=s.model_identity,
+        knowledge_cutoff=s.knowledge_cutoff,
+        browser_tool=browser,
+        python_tool=python,
+    )
+
+
+def text_of(content: str | list[dict[str, Any]] | None, *, param: str, allow_refusal: bool = False) -> str:
+    """Concatenate text parts; non-text parts are 400 (gpt-oss is text-only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text") or (allow_refusal and kind == "refusal"):
+            value = part.get("text", part.get("refusal", ""))
+            if not isinstance(value, str):
+                raise InvalidRequest("text parts must carry a string 'text'", param=f"{param}[{j}].text")
+            pieces.append(value)
+        else:
+            raise InvalidRequest(
+                f"content part type {kind!r} is not supported: this model accepts text only",
+                param=f"{param}[{j}]",
+            )
+    return "".join(pieces)
+
+
+def chat_function_tools(request: ChatCompletionRequest) -> list[FunctionTool]:
+    tools: list[FunctionTool] = []
+    for i, tool in enumerate(request.tools or []):
+        if tool.type != "function" or tool.function is None:
+            raise InvalidRequest(
+                f"tool type {tool.type!r} is not supported in chat completions; use 'function'",
+                param=f"tools[{i}].type",
+            )
+        fn = tool.function
+        tools.append(FunctionTool(fn.name, fn.description or "", fn.parameters))
+    return dedupe_function_tools(tools)
+
+
+def apply_tool_choice(
+    tools: list[FunctionTool], tool_choice: str | dict[str, Any] | None, *, param: str = "tool_choice"
+) -> list[FunctionTool]:
+    """`none` hides the tools from the model (peers render them and the model calls anyway); a named
+    choice keeps only that tool."""
+    if tool_choice is None or tool_choice == "auto":
+        return tools
+    if tool_choice == "none":
+        return []
+    if tool_choice == "required":
+        if not tools:
+            raise InvalidRequest("tool_choice 'required' needs at least one tool", param=param)
+        return tools
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function") or {}
+        name = fn.get("name") if isinstance(fn, dict) else None
+        name = name or tool_choice.get("name")
+        if tool_choice.get("type") == "function" and isinstance(name, str):
+            chosen = [t for t in tools if t.name == name]
+            if not chosen:
+                raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", param=param)
+            return chosen
+        if tool_choice.get("type") == "allowed_tools":
+            allowed = {
+                (t.get("function") or {}).get("name") or t.get("name")
+                for t in (tool_choice.get("allowed_tools") or {}).get("tools", [])
+                if isinstance(t, dict)
+            }
+            return [t for t in tools if t.name in allowed]
+    raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function", param=param)
+
+
+def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]]:
+    """Chat messages → (instructions, Harmony history). REFERENCE §2.3: leading system/developer
+    messages become the developer message's instructions; later ones a developer message in place."""
+    call_names: dict[str, str] = {}
+    for message in messages:
+        for call in message.tool_calls or ():
+            call_names[call.id] = call.function.name
+
+    instructions: list[str] = []
+    history: list[Msg] = []
+    leading = True
+    for i, message in enumerate(messages):
+        role = message.role
+        param = f"messages[{i}].content"
+        if role in ("system", "developer"):
+            text = text_of(message.content, param=param)
+            if leading:
+                if text:
+                    instructions.append(text)
+            elif text:
+                history.append(developer_text(text))
+            continue
+        leading = False
+        if role == "user":
+            history.append(user(text_of(message.content, param=param)))
+        elif role == "assistant":
+            reasoning = message.reasoning_content or message.reasoning
+            if reasoning:
+                history.append(assistant(reasoning, "analysis"))
+            text = text_of(message.content, param=param, allow_refusal=True)
+            if message.tool_calls:
+                if text:
+                    history.append(assistant(text, "commentary"))
+                history.extend(
+                    assistant_call("functions." + call.function.name, call.function.arguments or "")
+                    for call in message.tool_calls
+                )
+            elif text:
+                history.append(assistant(text, "final"))
+        else:  # tool, or the legacy function role
+            name = call_names.get(message.tool_call_id or "") or message.name
+            if not name:
+                raise InvalidRequest(
+                    "tool message refers to an unknown tool_call_id and has no name",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            history.append(tool_result("functions." + name, text_of(message.content, param=param)))
+    return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def selection_text(history: Sequence[Msg]) -> str:
+    for msg in reversed(history):
+        if msg.role == "user":
+            return msg.text[:SELECTION_TEXT_CHARS]
+    return ""
+
+
+def sampling_options(
+    group: ModelGroup,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    n: int = 1,
+) -> SamplingOptions:
+    """Every sampling field explicit: proto3 sends an unset number as 0 (top_p 0, n 0)."""
+    defaults = group.info.default_sampling
+
+    def pick(value: Any, key: str, fallback: Any) -> Any:
+        if value is not None:
+            return value
+        default = defaults.get(key)
+        return default if default is not None else fallback
+
+    return SamplingOptions(
+        temperature=float(pick(temperature, "temperature", 1.0)),
+        top_p=float(pick(top_p, "top_p", 1.0)),
+        top_k=int(pick(top_k, "top_k", -1)),
+        min_p=float(pick(min_p, "min_p", 0.0)),
+        repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)),
+        frequency_penalty=float(pick(frequency_penalty, "frequency_penalty", 0.0)),
+        presence_penalty=float(pick(presence_penalty, "presence_penalty", 0.0)),
+        seed=seed,
+        n=n,
+    )
+
+
+def token_budget(group: ModelGroup, prompt_len: int, requested: int | None, *, param: str) -> int | None:
+    context = group.info.max_context_length
+    if context and prompt_len >= context:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens; the model's context length is {context}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if requested is not None:
+        if context:
+            return min(requested, context - prompt_len)
+        return requested
+    return context - prompt_len if context else None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    values = [stop] if isinstance(stop, str) else stop
+    if len(values) > 16:
+        raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest("stop sequences must be non-empty strings", param="stop")
+    return tuple(values)
+
+
+async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: list[Msg]) -> list[int]:
+    """Render on the loop when the prefix is cached (~10 µs), in a thread otherwise (openai-harmony
+    renders a fresh system+developer prefix in about a millisecond)."""
+    renderer = state.renderer
+    if renderer.has_prefix(prefix):
+        return renderer.render_for_completion(prefix, history)
+    import anyio
+
+    return await anyio.to_thread.run_sync(renderer.render_for_completion, prefix, history)
+
+
+async def prepare_chat(
+    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
+) -> PreparedRequest:
+    if not group.harmony:
+        from .chat_template import prepare_chat_template
+
+        return await prepare_chat_template(state, request, group)
+    if request.logprobs or request.top_logprobs:
+        raise InvalidRequest("logprobs are not supported for Harmony models", param="logprobs")
+    if request.ignore_eos:
+        raise InvalidRequest(
+            "ignore_eos is not supported for Harmony models: stop tokens are the protocol", param="ignore_eos"
+        )
+    effort = parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort")
+    tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
+    instructions, history = chat_history(request.messages)
+    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
+    input_ids = await render_harmony(state, prefix, history)
+
+    sampling = sampling_options(
+        group,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        seed=request.seed,
+        n=request.n,
+    )
+    requested = request.max_completion_tokens or request.max_tokens
+    sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
+    sampling.stop_token_ids = [*(request.stop_token_ids or ()), *ASSISTANT_STOP_IDS]
+    return PreparedRequest(
+        group=group,
+        input_ids=input_ids,
+        sampling=sampling,
+        selection_text=selection_text(history),
+        stream=request.stream,
+        n=request.n,
+        function_names=frozenset(t.name for t in tools),
+        stop_strings=stop_strings(request.stop),
+        max_reasoning_tokens=request.max_reasoning_tokens,
+        effort=effort,
+        prefix=prefix,
+        history=history,
+        original_text="[harmony]",
+    )

@@ -1,0 +1,143 @@
+"""The one place that strings the stages together, so the sequence is never repeated per endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..api.schemas.chat import ChatCompletionRequest
+from ..api.sse import DONE, chat_error_frame
+from ..engines.base import EngineChunk
+from ..errors import GatewayError, NoHealthyWorker
+from .context import GatewayState, PreparedRequest, RequestContext
+from .dispatch import dispatch
+from .parse_output import ChoiceOutput
+from .prepare import prepare_chat
+from .respond import ChatStreamWriter, chat_completion_body, chat_usage
+
+
+def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: bool) -> list[ChoiceOutput]:
+    choices = []
+    for i in range(prepared.n):
+        choice = ChoiceOutput(state, prepared, i)
+        choice.include_reasoning = include_reasoning
+        choices.append(choice)
+    return choices
+
+
+async def _open_stream(
+    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, *, stream: bool
+) -> tuple[AsyncIterator[EngineChunk], EngineChunk | None]:
+    """Dispatch and wait for the first chunk, so failures before any output are real HTTP errors."""
+    if not prepared.group.has_available_worker():
+        raise NoHealthyWorker(f"no healthy worker serves model {prepared.group.name!r}")
+    chunks = dispatch(state, prepared, ctx, stream=stream)
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        return chunks, None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return chunks, first
+
+
+async def run_chat(
+    state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    # 1) prepare: validate, build the Harmony conversation, render prompt ids
+    group = state.fleet.group(request.model)
+    ctx.model = group.name
+    prepared = await prepare_chat(state, request, group)
+    ctx.prompt_tokens = len(prepared.input_ids)
+    completion_id = "chatcmpl-" + ctx.request_id
+    created = int(time.time())
+    choices = _choices(state, prepared, request.include_reasoning)
+    # Streaming from the engine lets the gateway stop early on a client stop string.
+    engine_stream = request.stream or bool(prepared.stop_strings)
+    # 2) select, 3) build, 4) dispatch: the first chunk arrives before any response byte is sent
+    chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
+    if not request.stream:
+        # 5) parse and 6) respond, in one body
+        async with contextlib.aclosing(chunks):
+            pending = [first] if first is not None else []
+            for chunk in pending:
+                choices[chunk.index].feed(chunk)
+            async for chunk in chunks:
+                choices[chunk.index].feed(chunk)
+                if prepared.stop_strings and all(c.finished or c.stop_hit for c in choices):
+                    break
+        for choice in choices:
+            choice.close()
+        usage = chat_usage(choices, len(prepared.input_ids))
+        ctx.completion_tokens = usage["completion_tokens"]
+        return chat_completion_body(
+            completion_id, created, group.name, choices, usage, state.settings.reasoning_fields
+        )
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    writer = ChatStreamWriter(
+        completion_id,
+        created,
+        group.name,
+        include_usage=include_usage,
+        reasoning_mode=state.settings.reasoning_fields,
+    )
+    return _stream_chat(prepared, ctx, chunks, first, writer, choices, include_usage)
+
+
+async def _stream_chat(
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    chunks: AsyncIterator[EngineChunk],
+    first: EngineChunk | None,
+    writer: ChatStreamWriter,
+    choices: list[ChoiceOutput],
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """5) parse and 6) respond, per engine chunk. Errors after the headers become a final error event."""
+    async with contextlib.aclosing(chunks):
+        try:
+            head = b"".join(writer.role_chunk(i) for i in range(len(choices)))
+            pending = [first] if first is not None else []
+            emitted_finish = [False] * len(choices)
+            iterator = _chain(pending, chunks)
+            async for chunk in iterator:
+                choice = choices[chunk.index]
+                deltas = choice.feed(chunk)
+                out = writer.deltas(chunk.index, deltas) if deltas else b""
+                if (choice.finished or choice.stop_hit) and not emitted_finish[chunk.index]:
+                    if choice.stop_hit:
+                        out += writer.deltas(chunk.index, choice.close())
+                    emitted_finish[chunk.index] = True
+                    out += writer.finish_chunk(chunk.index, choice.finish_reason)
+                if head:
+                    out, head = head + out, b""
+                if out:
+                    yield out
+                if prepared.stop_strings and all(emitted_finish):
+                    break  # leaving the loop aborts the engine request
+            tail = b""
+            for choice in choices:
+                if not emitted_finish[choice.index]:
+                    tail += writer.deltas(choice.index, choice.close())
+                    tail += writer.finish_chunk(choice.index, choice.finish_reason)
+            if include_usage:
+                usage = chat_usage(choices, len(prepared.input_ids))
+                ctx.completion_tokens = usage["completion_tokens"]
+                tail += writer.usage_chunk(usage)
+            yield head + tail + DONE
+        except GatewayError as exc:
+            ctx.status = exc.status_code
+            yield chat_error_frame(exc)
+        except Exception as exc:  # a gateway bug must still end the stream cleanly
+            ctx.status = 500
+            yield chat_error_frame(exc)
+
+
+async def _chain(first: list[EngineChunk], rest: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
+    for chunk in first:
+        yield chunk
+    async for chunk in rest:
+        yield chunk

@@ -1,0 +1,151 @@
+"""The fleet: every known worker, grouped by the model it serves, with each group's routing policies.
+
+Workers are added from the CLI or the worker API. A worker is probed (model info, then health) before it
+takes traffic; a worker that cannot be reached at start-up stays pending and is probed again by the
+health checker, so the gateway can start before its engines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engines.base import EngineClient, ModelInfo
+from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
+from .workers import Worker, WorkerKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ModelGroup:
+    name: str
+    harmony: bool
+    info: ModelInfo
+    policy: Any
+    prefill_policy: Any
+    decode_policy: Any
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def regular(self) -> list[Worker]:
+        return [w for w in self.workers if w.kind is WorkerKind.REGULAR]
+
+    @property
+    def prefill(self) -> list[Worker]:
+        return [w for w in self.workers if w.kind is WorkerKind.PREFILL]
+
+    @property
+    def decode(self) -> list[Worker]:
+        return [w for w in self.workers if w.kind is WorkerKind.DECODE]
+
+    @property
+    def disaggregated(self) -> bool:
+        """PD mode: prefill and decode pools exist and no regular worker serves the model."""
+        return bool(self.prefill) and bool(self.decode) and not self.regular
+
+    def has_available_worker(self) -> bool:
+        pools = (self.prefill, self.decode) if self.disaggregated else (self.regular,)
+        return all(any(w.available() for w in pool) for pool in pools)
+
+
+class Fleet:
+    """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group."""
+
+    def __init__(
+        self,
+        client_factory: Callable[[str, str], EngineClient],
+        policy_factory: Callable[[str, str], Any],
+        harmony_models: frozenset[str] = frozenset(),
+        connect_timeout: float = 10.0,
+        health_timeout: float = 2.0,
+    ) -> None:
+        self._client_factory = client_factory
+        self._policy_factory = policy_factory
+        self._harmony_models = harmony_models
+        self._connect_timeout = connect_timeout
+        self._health_timeout = health_timeout
+        self.groups: dict[str, ModelGroup] = {}
+        self.workers: dict[str, Worker] = {}
+        self.on_worker_removed: list[Callable[[Worker], None]] = []
+
+    # -- membership ------------------------------------------------------------------------------
+    def create_worker(self, url: str, kind: WorkerKind = WorkerKind.REGULAR, engine: str = "auto") -> Worker:
+        for existing in self.workers.values():
+            if existing.url == url and existing.kind is kind:
+                raise Conflict(f"worker {url} ({kind.value}) is already registered", param="url")
+        client = self._client_factory(url, engine)
+        worker = Worker(url=url, client=client, kind=kind, engine=getattr(client, "engine", engine))
+        self.workers[worker.id] = worker
+        return worker
+
+    async def probe(self, worker: Worker) -> bool:
+        """Learn the worker's model (once) and check its health; attach it to its model group."""
+        try:
+            if worker.model_info is None:
+                worker.model_info = await worker.client.model_info(timeout=self._connect_timeout)
+                self._attach(worker)
+            healthy = await worker.client.health(self._health_timeout)
+        except GatewayError as exc:
+            log.warning("worker %s is not reachable: %s", worker.url, exc.message)
+            healthy = False
+        worker.healthy = healthy
+        return healthy
+
+    def _attach(self, worker: Worker) -> None:
+        info = worker.model_info
+        assert info is not None
+        group = self.groups.get(info.served_model_name)
+        if group is None:
+            harmony = info.looks_harmony or info.served_model_name in self._harmony_models
+            group = ModelGroup(
+                name=info.served_model_name,
+                harmony=harmony,
+                info=info,
+                policy=self._policy_factory(info.served_model_name, "regular"),
+                prefill_policy=self._policy_factory(info.served_model_name, "prefill"),
+                decode_policy=self._policy_factory(info.served_model_name, "decode"),
+            )
+            self.groups[group.name] = group
+            log.info("serving model %s (harmony=%s)", group.name, harmony)
+        if worker not in group.workers:
+            group.workers.append(worker)
+
+    async def remove(self, worker_id: str) -> Worker:
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            raise NotFound(f"no worker with id {worker_id!r}", param="worker_id")
+        for name, group in list(self.groups.items()):
+            if worker in group.workers:
+                group.workers.remove(worker)
+                for policy in (group.policy, group.prefill_policy, group.decode_policy):
+                    hook = getattr(policy, "on_worker_removed", None)
+                    if hook is not None:
+                        hook(worker)
+            if not group.workers:
+                del self.groups[name]
+        for callback in self.on_worker_removed:
+            callback(worker)
+        await worker.client.close()
+        return worker
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def group(self, model: str) -> ModelGroup:
+        group = self.groups.get(model)
+        if group is not None:
+            return group
+        if any(w.model_info is None for w in self.workers.values()):
+            raise NoHealthyWorker(f"model {model!r} is not available yet: workers are still starting")
+        raise ModelNotFound(f"The model {model!r} does not exist", param="model")
+
+    def all_workers(self) -> list[Worker]:
+        return list(self.workers.values())
+
+    def ready(self) -> bool:
+        return any(g.has_available_worker() for g in self.groups.values())
+
+    async def close(self) -> None:
+        for worker in self.workers.values():
+            await worker.client.close()

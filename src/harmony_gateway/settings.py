@@ -1,0 +1,68 @@
+"""One frozen Settings object, built by the CLI (or tests) and read everywhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Named phases, each in seconds.
+
+    | phase        | bounds                                                              |
+    |--------------|---------------------------------------------------------------------|
+    | connect      | model info / server info probes when a worker is added              |
+    | first_token  | from dispatch until the engine's first chunk                        |
+    | total        | one engine request from dispatch to its last chunk                  |
+    | abort        | the shielded Abort RPC sent when a client goes away                 |
+    """
+
+    connect: float = 10.0
+    first_token: float = 300.0
+    total: float = 1800.0
+    abort: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    worker_urls: tuple[str, ...] = ()
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    engine: str = "auto"  # sglang | vllm | auto
+    harmony_models: frozenset[str] = frozenset()
+    policy: str = "round_robin"
+    model_policies: dict[str, str] = field(default_factory=dict)
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    cache_key: str = "tokens"  # tokens | selection-text
+    bootstrap_port: int = 8998
+    max_retries: int = 2
+    retry_backoff: float = 0.05
+    health_interval: float = 5.0
+    health_timeout: float = 2.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 2
+    breaker_failure_threshold: int = 5
+    breaker_cooldown: float = 30.0
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    #: Pins the Harmony conversation start date (tests, reproducible prompts); else today's UTC date.
+    conversation_start_date: str | None = None
+    model_identity: str | None = None
+    knowledge_cutoff: str | None = None
+    #: Which reasoning fields to emit: both (default), reasoning_content, or reasoning.
+    reasoning_fields: str = "both"
+    storage_url: str | None = None
+    api_keys: frozenset[str] = frozenset()
+    log_level: str = "info"
+    log_json: bool = False
+    log_prompts: bool = False
+    mcp_config: str | None = None
+    mcp_allow_hosts: tuple[str, ...] = ()
+    mcp_tool_timeout: float = 30.0
+    mcp_max_output_chars: int = 64_000
+    max_tool_calls: int = 10
+    tokenizer_paths: dict[str, str] = field(default_factory=dict)
+    reasoning_parsers: dict[str, str] = field(default_factory=dict)
+    tool_call_parsers: dict[str, str] = field(default_factory=dict)
