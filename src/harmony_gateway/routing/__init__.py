@@ -1,0 +1,39 @@
+"""Routing: choosing a worker for each request, and keeping worker health and circuit breakers.
+
+`create_policy(name, **options)` builds a `RoutingPolicy` from the `POLICIES` table; `HealthChecker`
+runs in the app's lifespan task group; the pipeline reports request outcomes with `record_success` /
+`record_failure`.
+"""
+
+from .cache_aware import CacheAwarePolicy
+from .consistent_hash import ConsistentHashPolicy
+from .health import BreakerConfig, HealthChecker, HealthConfig, record_failure, record_probe, record_success
+from .policy import RoutingPolicy, RoutingRequest, available_workers
+from .power_of_two import PowerOfTwoPolicy
+from .random_policy import RandomPolicy
+from .registry import POLICIES, create_policy
+from .round_robin import RoundRobinPolicy
+from .workers import BreakerState, Worker, WorkerKind, healthy_workers
+
+__all__ = [
+    "POLICIES",
+    "BreakerConfig",
+    "BreakerState",
+    "CacheAwarePolicy",
+    "ConsistentHashPolicy",
+    "HealthChecker",
+    "HealthConfig",
+    "PowerOfTwoPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RoutingPolicy",
+    "RoutingRequest",
+    "Worker",
+    "WorkerKind",
+    "available_workers",
+    "create_policy",
+    "healthy_workers",
+    "record_failure",
+    "record_probe",
+    "record_success",
+]

@@ -2,7 +2,10 @@
 
 A `Worker` wraps one engine client with the state routing needs: health, circuit breaker, in-flight
 count, and the kind (regular, prefill, decode). Policies read this state; only the pipeline and the
-health checker change it.
+health checker change it. Two independent signals gate traffic: `healthy` follows the periodic health
+probes (`consecutive_failures` / `consecutive_successes` count probe results), while the circuit
+breaker follows real request outcomes (`breaker_failures` counts consecutive failed requests; see
+`routing/health.py` `record_failure` / `record_success`).
 """
 
 from __future__ import annotations
@@ -11,19 +14,19 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from ..engines.base import EngineClient, ModelInfo
 
 
-class WorkerKind(str, Enum):
+class WorkerKind(StrEnum):
     REGULAR = "regular"
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class BreakerState(str, Enum):
+class BreakerState(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -45,6 +48,11 @@ class Worker:
     consecutive_successes: int = 0
     breaker: BreakerState = BreakerState.CLOSED
     breaker_opened_at: float = 0.0
+    #: Consecutive failed requests; the breaker opens when this reaches the configured threshold.
+    breaker_failures: int = 0
+    #: Seconds an open breaker stays open before one trial request is let through (half-open).
+    #: Set from `HealthConfig.breaker_cooldown` by the health checker and `record_failure`.
+    breaker_cooldown: float = 30.0
     bootstrap_port: int | None = None
     engine: str = "sglang"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -53,13 +61,19 @@ class Worker:
     def model_id(self) -> str:
         return self.model_info.served_model_name if self.model_info else ""
 
-    def available(self, now: float | None = None, breaker_cooldown: float = 30.0) -> bool:
-        """Healthy, and the circuit breaker lets a request through (half-opens after the cool-down)."""
+    def available(self, now: float | None = None, breaker_cooldown: float | None = None) -> bool:
+        """Healthy, and the circuit breaker lets a request through.
+
+        An open breaker half-opens (and this returns True) once `breaker_cooldown` seconds (default:
+        the worker's own `breaker_cooldown`) have passed since it opened; `now` defaults to
+        `time.monotonic()`. Policies call it with no arguments.
+        """
         if not self.healthy:
             return False
         if self.breaker is BreakerState.OPEN:
             now = time.monotonic() if now is None else now
-            if now - self.breaker_opened_at >= breaker_cooldown:
+            cooldown = self.breaker_cooldown if breaker_cooldown is None else breaker_cooldown
+            if now - self.breaker_opened_at >= cooldown:
                 self.breaker = BreakerState.HALF_OPEN
                 return True
             return False
@@ -79,4 +93,5 @@ class Worker:
 
 
 def healthy_workers(workers: Iterable[Worker]) -> list[Worker]:
+    """The workers that may take a request now (`Worker.available()`), in the given order."""
     return [w for w in workers if w.available()]
