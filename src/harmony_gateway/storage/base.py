@@ -1,0 +1,317 @@
+"""Storage records and the `Store` protocol every backend (memory, SQLite, PostgreSQL) implements.
+
+The pipeline persists stored Responses (with their input items and the replay history it needs to
+continue a `previous_response_id` chain), a per-response event log for resuming background streams,
+and Conversations with ordered items. Payloads are plain JSON-able dicts and lists; storage never
+interprets them beyond the `id` of an item. Every object belongs to the owner that created it, and
+any other owner is answered exactly as if the object did not exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .. import errors
+
+#: Every status a stored response may have (OpenAI's Response.status).
+RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
+
+Order = Literal["asc", "desc"]
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    """One stored Response and what the pipeline needs to continue a chain from it.
+
+    `response` is the Response object exactly as returned to clients; `input_items` are this
+    request's input items (each with an `id`); `history` is the serialized replay messages, opaque
+    to storage; `request` is the request body as received, minus secrets.
+    """
+
+    id: str
+    owner: str
+    created_at: int
+    updated_at: float
+    status: str
+    model: str
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    previous_response_id: str | None = None
+    conversation_id: str | None = None
+    background: bool = False
+    request: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StoredConversation:
+    id: str
+    owner: str
+    created_at: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ConversationItem:
+    """One item of a conversation; `id` is the item dict's own `id`.
+
+    `position` increases monotonically within a conversation and is never reused, even after
+    deletes, so it orders items and serves as the pagination key.
+    """
+
+    id: str
+    conversation_id: str
+    position: int
+    item: dict[str, Any]
+    created_at: int
+
+
+@dataclass(slots=True)
+class Page:
+    """One page of a list endpoint: item dicts in the requested order, OpenAI's list envelope fields."""
+
+    data: list[dict[str, Any]]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Persistence for Responses, background event logs and Conversations.
+
+    Owner scoping: reads, updates and deletes take the caller's `owner`; an object created by a
+    different owner yields None / False exactly as a missing one does. The startup scan
+    (`list_responses_with_status`), the event log and `purge_expired` are gateway-internal and not
+    owner scoped: the API layer checks the response's visibility before touching its events.
+
+    Writes are committed when the coroutine returns: a process killed right afterwards does not
+    lose them. A payload that is not JSON-serializable raises TypeError and nothing is written.
+    Database errors other than the domain errors named below propagate unchanged.
+    """
+
+    async def start(self) -> None:
+        """Connect and create or migrate the schema.
+
+        Idempotent, and safe when several processes start on the same database at once. Raises
+        RuntimeError if the database was written by a newer schema version than this code knows.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store may not be used afterwards."""
+        ...
+
+    # -- responses ------------------------------------------------------------------------------
+
+    async def put_response(self, response: StoredResponse) -> None:
+        """Insert or replace a response by id (this is also how status updates are written).
+
+        Raises ValueError for an unknown status or an input item without an `id`.
+        """
+        ...
+
+    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None: ...
+
+    async def delete_response(self, response_id: str, owner: str) -> bool:
+        """Delete a response and its event log; False if it is not visible to `owner`."""
+        ...
+
+    async def list_input_items(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        """One page of the response's input items; None if the response is not visible.
+
+        `after` is an item id cursor: the page starts just past it in the requested order.
+        Raises errors.InvalidRequest (param `after`) for a cursor that is not one of the items,
+        ValueError for `limit < 1` or an unknown order.
+        """
+        ...
+
+    async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        """The response and its ancestors by `previous_response_id`, oldest first.
+
+        Raises errors.InvalidRequest (param `previous_response_id`, code
+        `previous_response_not_found`) if `response_id` itself is missing or not visible. A missing
+        or invisible ancestor ends the walk there, as does a cycle (the walk stops before repeating
+        a response). At most `max_depth` (>= 1, else ValueError) responses are returned: the newest
+        ones; older ancestors are dropped.
+        """
+        ...
+
+    async def list_responses_with_status(
+        self, statuses: set[str], *, background_only: bool = True
+    ) -> list[StoredResponse]:
+        """Every response in one of `statuses`, of any owner, oldest first (start-up recovery)."""
+        ...
+
+    # -- background event log -------------------------------------------------------------------
+
+    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
+        """Append stream events; each must carry an int `sequence_number` (ValueError otherwise).
+
+        An event whose sequence number is already stored for the response is ignored, so a retried
+        append is harmless.
+        """
+        ...
+
+    async def list_events(self, response_id: str, *, after: int = -1) -> list[dict[str, Any]]:
+        """Stored events with `sequence_number > after`, ordered by sequence number."""
+        ...
+
+    # -- conversations --------------------------------------------------------------------------
+
+    async def create_conversation(
+        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem]:
+        """Create a conversation with its initial items, atomically.
+
+        Raises ValueError for an item without an `id`, errors.Conflict if the conversation id
+        exists or item ids repeat.
+        """
+        ...
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None: ...
+
+    async def update_conversation_metadata(
+        self, conversation_id: str, owner: str, metadata: dict[str, Any]
+    ) -> StoredConversation | None:
+        """Replace the conversation's metadata; the updated conversation, or None if not visible."""
+        ...
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        """Delete a conversation and all its items; False if it is not visible."""
+        ...
+
+    async def add_conversation_items(
+        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem] | None:
+        """Append items in order after the existing ones; None if the conversation is not visible.
+
+        Safe under concurrent appends from several processes: positions stay unique and each call's
+        items are contiguous. Raises ValueError for an item without an `id` (the API layer assigns
+        ids) and errors.Conflict for an id already in the conversation; nothing is written then.
+        """
+        ...
+
+    async def list_conversation_items(
+        self,
+        conversation_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        """One page of item dicts by position; same cursor contract as `list_input_items`."""
+        ...
+
+    async def get_conversation_item(
+        self, conversation_id: str, item_id: str, owner: str
+    ) -> ConversationItem | None: ...
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, owner: str) -> bool: ...
+
+    async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        """Every item dict in position order (for building prompts); None if not visible."""
+        ...
+
+    # -- retention ------------------------------------------------------------------------------
+
+    async def purge_expired(self, now: float) -> int:
+        """Delete responses (and their events) created more than `retention_seconds` before `now`.
+
+        Returns how many responses were deleted; always 0 when the store has no retention.
+        Conversations are not subject to retention.
+        """
+        ...
+
+
+def item_ids(items: Sequence[dict[str, Any]]) -> list[str]:
+    """The `id` of each item; ValueError if one lacks a non-empty string id."""
+    ids: list[str] = []
+    for index, item in enumerate(items):
+        item_id = item.get("id") if isinstance(item, dict) else None
+        if not isinstance(item_id, str) or not item_id:
+            raise ValueError(f"item {index} has no 'id'; ids are assigned before storing")
+        ids.append(item_id)
+    return ids
+
+
+def check_new_item_ids(ids: Sequence[str], existing: set[str]) -> None:
+    """Raise errors.Conflict if an id repeats within `ids` or is already in `existing`."""
+    seen = set(existing)
+    for item_id in ids:
+        if item_id in seen:
+            raise errors.Conflict(f"Item '{item_id}' is already in the conversation.", param="items")
+        seen.add(item_id)
+
+
+def check_page_args(limit: int, order: str) -> None:
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+
+
+def check_max_depth(max_depth: int) -> None:
+    if max_depth < 1:
+        raise ValueError(f"max_depth must be at least 1, got {max_depth}")
+
+
+def unknown_cursor(after: str) -> errors.InvalidRequest:
+    return errors.InvalidRequest(f"No item with id '{after}' to list after.", param="after")
+
+
+def paginate(items: Sequence[dict[str, Any]], *, after: str | None, limit: int, order: Order) -> Page:
+    """Cut one page out of the full, ascending list of item dicts (see `Store.list_input_items`)."""
+    check_page_args(limit, order)
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    start = 0
+    if after is not None:
+        for index, item in enumerate(ordered):
+            if item.get("id") == after:
+                start = index + 1
+                break
+        else:
+            raise unknown_cursor(after)
+    return make_page(ordered[start : start + limit + 1], limit)
+
+
+def make_page(rows: list[dict[str, Any]], limit: int) -> Page:
+    """A Page from up to `limit + 1` ordered items; the extra one only signals `has_more`."""
+    data = rows[:limit]
+    return Page(
+        data=data,
+        has_more=len(rows) > limit,
+        first_id=data[0]["id"] if data else None,
+        last_id=data[-1]["id"] if data else None,
+    )
+
+
+def previous_response_not_found(response_id: str) -> errors.InvalidRequest:
+    return errors.InvalidRequest(
+        f"Previous response with id '{response_id}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def sequence_numbers(events: Sequence[dict[str, Any]]) -> list[int]:
+    """Each event's `sequence_number`; ValueError if one is missing or not an int."""
+    numbers = []
+    for event in events:
+        number = event.get("sequence_number")
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise ValueError("every event needs an int 'sequence_number'")
+        numbers.append(number)
+    return numbers

@@ -1,0 +1,296 @@
+"""In-process `Store` for tests and single-process deployments that may forget everything on restart.
+
+Bounded: beyond `max_responses` responses (or `max_conversations` conversations) the oldest are
+evicted with their events (items), so a long-running gateway never grows without limit. Payloads
+are copied through JSON on the way in and out, so callers never share mutable state with the store
+and anything the SQL backends would reject is rejected here too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from .. import errors
+from .base import (
+    RESPONSE_STATUSES,
+    ConversationItem,
+    Order,
+    Page,
+    StoredConversation,
+    StoredResponse,
+    check_max_depth,
+    check_new_item_ids,
+    check_page_args,
+    item_ids,
+    make_page,
+    paginate,
+    previous_response_not_found,
+    sequence_numbers,
+    unknown_cursor,
+)
+
+DEFAULT_MAX_RESPONSES = 10_000
+DEFAULT_MAX_CONVERSATIONS = 10_000
+
+
+def _copy(value: Any) -> Any:
+    return orjson.loads(orjson.dumps(value))
+
+
+def _copy_response(response: StoredResponse) -> StoredResponse:
+    return replace(
+        response,
+        response=_copy(response.response),
+        input_items=_copy(response.input_items),
+        history=_copy(response.history),
+        request=_copy(response.request),
+        metadata=_copy(response.metadata),
+    )
+
+
+@dataclass(slots=True)
+class _Conversation:
+    record: StoredConversation
+    items: list[ConversationItem] = field(default_factory=list)
+    next_position: int = 0
+
+
+class MemoryStore:
+    """A `Store` held in dicts; see the module docstring for bounds.
+
+    No method awaits while it mutates state, so every call is atomic with respect to other tasks
+    on the loop without a lock.
+    """
+
+    def __init__(
+        self,
+        *,
+        retention_seconds: float | None = None,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+    ) -> None:
+        if max_responses < 1 or max_conversations < 1:
+            raise ValueError("max_responses and max_conversations must be at least 1")
+        self.retention_seconds = retention_seconds
+        self.max_responses = max_responses
+        self.max_conversations = max_conversations
+        # Insertion order is creation order, so the first entry is the one to evict.
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._events: dict[str, dict[int, dict[str, Any]]] = {}
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    # -- responses ------------------------------------------------------------------------------
+
+    async def put_response(self, response: StoredResponse) -> None:
+        if response.status not in RESPONSE_STATUSES:
+            raise ValueError(f"unknown response status {response.status!r}")
+        item_ids(response.input_items)
+        self._responses[response.id] = _copy_response(response)
+        while len(self._responses) > self.max_responses:
+            evicted, _ = self._responses.popitem(last=False)
+            self._events.pop(evicted, None)
+
+    def _visible(self, response_id: str, owner: str) -> StoredResponse | None:
+        stored = self._responses.get(response_id)
+        return stored if stored is not None and stored.owner == owner else None
+
+    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+        stored = self._visible(response_id, owner)
+        return _copy_response(stored) if stored is not None else None
+
+    async def delete_response(self, response_id: str, owner: str) -> bool:
+        if self._visible(response_id, owner) is None:
+            return False
+        del self._responses[response_id]
+        self._events.pop(response_id, None)
+        return True
+
+    async def list_input_items(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        stored = self._visible(response_id, owner)
+        if stored is None:
+            return None
+        page = paginate(stored.input_items, after=after, limit=limit, order=order)
+        page.data = _copy(page.data)
+        return page
+
+    async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        check_max_depth(max_depth)
+        if self._visible(response_id, owner) is None:
+            raise previous_response_not_found(response_id)
+        chain: list[StoredResponse] = []
+        seen: set[str] = set()
+        current: str | None = response_id
+        while current is not None and current not in seen and len(chain) < max_depth:
+            stored = self._visible(current, owner)
+            if stored is None:
+                break
+            seen.add(current)
+            chain.append(_copy_response(stored))
+            current = stored.previous_response_id
+        chain.reverse()
+        return chain
+
+    async def list_responses_with_status(
+        self, statuses: set[str], *, background_only: bool = True
+    ) -> list[StoredResponse]:
+        found = [
+            _copy_response(r)
+            for r in self._responses.values()
+            if r.status in statuses and (r.background or not background_only)
+        ]
+        found.sort(key=lambda r: (r.created_at, r.id))
+        return found
+
+    # -- background event log -------------------------------------------------------------------
+
+    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
+        numbers = sequence_numbers(events)
+        log = self._events.setdefault(response_id, {})
+        for number, event in zip(numbers, events, strict=True):
+            log.setdefault(number, _copy(event))
+
+    async def list_events(self, response_id: str, *, after: int = -1) -> list[dict[str, Any]]:
+        log = self._events.get(response_id, {})
+        return [_copy(log[n]) for n in sorted(log) if n > after]
+
+    # -- conversations --------------------------------------------------------------------------
+
+    def _conversation(self, conversation_id: str, owner: str) -> _Conversation | None:
+        conversation = self._conversations.get(conversation_id)
+        return conversation if conversation is not None and conversation.record.owner == owner else None
+
+    async def create_conversation(
+        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem]:
+        ids = item_ids(items)
+        check_new_item_ids(ids, set())
+        if conversation.id in self._conversations:
+            raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
+        # Copy (and so validate) everything before the first change: a failed call changes nothing.
+        record = replace(conversation, metadata=_copy(conversation.metadata))
+        copies = _copy(list(items))
+        entry = _Conversation(record=record)
+        self._conversations[conversation.id] = entry
+        while len(self._conversations) > self.max_conversations:
+            self._conversations.popitem(last=False)
+        return self._append(entry, ids, copies)
+
+    def _append(
+        self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]]
+    ) -> list[ConversationItem]:
+        now = int(time.time())
+        added = []
+        for item_id, item in zip(ids, copies, strict=True):
+            added.append(ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
+            entry.next_position += 1
+        entry.items.extend(added)
+        return [replace(a, item=_copy(a.item)) for a in added]
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+        entry = self._conversation(conversation_id, owner)
+        return replace(entry.record, metadata=_copy(entry.record.metadata)) if entry else None
+
+    async def update_conversation_metadata(
+        self, conversation_id: str, owner: str, metadata: dict[str, Any]
+    ) -> StoredConversation | None:
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return None
+        entry.record = replace(entry.record, metadata=_copy(metadata))
+        return replace(entry.record, metadata=_copy(entry.record.metadata))
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        if self._conversation(conversation_id, owner) is None:
+            return False
+        del self._conversations[conversation_id]
+        return True
+
+    async def add_conversation_items(
+        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem] | None:
+        ids = item_ids(items)
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return None
+        check_new_item_ids(ids, {i.id for i in entry.items})
+        return self._append(entry, ids, _copy(list(items)))
+
+    async def list_conversation_items(
+        self,
+        conversation_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        check_page_args(limit, order)
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return None
+        ordered = entry.items if order == "asc" else list(reversed(entry.items))
+        start = 0
+        if after is not None:
+            for index, item in enumerate(ordered):
+                if item.id == after:
+                    start = index + 1
+                    break
+            else:
+                raise unknown_cursor(after)
+        return make_page([_copy(i.item) for i in ordered[start : start + limit + 1]], limit)
+
+    async def get_conversation_item(
+        self, conversation_id: str, item_id: str, owner: str
+    ) -> ConversationItem | None:
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return None
+        for item in entry.items:
+            if item.id == item_id:
+                return replace(item, item=_copy(item.item))
+        return None
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, owner: str) -> bool:
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return False
+        kept = [i for i in entry.items if i.id != item_id]
+        deleted = len(kept) != len(entry.items)
+        entry.items = kept
+        return deleted
+
+    async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        entry = self._conversation(conversation_id, owner)
+        return [_copy(i.item) for i in entry.items] if entry is not None else None
+
+    # -- retention ------------------------------------------------------------------------------
+
+    async def purge_expired(self, now: float) -> int:
+        if self.retention_seconds is None:
+            return 0
+        cutoff = now - self.retention_seconds
+        expired = [rid for rid, r in self._responses.items() if r.created_at < cutoff]
+        for response_id in expired:
+            del self._responses[response_id]
+            self._events.pop(response_id, None)
+        return len(expired)

@@ -1,0 +1,696 @@
+"""The SQL `Store`: one SQLAlchemy Core implementation for SQLite (aiosqlite) and PostgreSQL (asyncpg).
+
+Everything that differs between the two databases lives in `_SQLite` and `_Postgres`: how the URL
+becomes an engine, connection set-up, how write transactions begin, and how schema creation is
+serialised between processes. Payloads are JSON text (orjson) in TEXT columns on both, so the
+tables read the same everywhere. The schema is versioned in `schema_version`; `start()` applies the
+missing migrations inside one transaction that excludes other starting processes.
+
+Durability: every write commits before the coroutine returns. SQLite runs in WAL mode with
+`synchronous=FULL`, which fsyncs the WAL on each commit. NORMAL would already survive a killed
+process (a committed frame is in the OS page cache), but a power cut could roll back recently
+acknowledged commits; a client that was handed a response id must be able to fetch it, and the
+gateway writes a handful of rows per response, so the fsync is cheap by comparison. Stream events
+should be appended in batches for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import URL, Connection, Dialect, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from .. import errors
+from .base import (
+    RESPONSE_STATUSES,
+    ConversationItem,
+    Order,
+    Page,
+    StoredConversation,
+    StoredResponse,
+    check_max_depth,
+    check_new_item_ids,
+    check_page_args,
+    item_ids,
+    make_page,
+    paginate,
+    previous_response_not_found,
+    sequence_numbers,
+    unknown_cursor,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The schema version this code writes; `start()` refuses a database with a newer one.
+SCHEMA_VERSION = 1
+
+#: How long a SQLite writer waits for another process's write lock before failing (ms).
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+class _Json(sa.types.TypeDecorator[Any]):
+    """JSON text via orjson; TEXT on every dialect so the column reads the same everywhere."""
+
+    impl = sa.Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> str | None:
+        return None if value is None else orjson.dumps(value).decode()
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> Any:
+        return None if value is None else orjson.loads(value)
+
+
+# The current schema. Tables are created in the default schema, which `schema_translate_map`
+# redirects when the store is opened with `schema=`.
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("applied_at", sa.Double, nullable=False),
+)
+
+responses = sa.Table(
+    "responses",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("previous_response_id", sa.Text),
+    sa.Column("conversation_id", sa.Text),
+    sa.Column("background", sa.Boolean, nullable=False),
+    sa.Column("response", _Json, nullable=False),
+    sa.Column("input_items", _Json, nullable=False),
+    sa.Column("history", _Json, nullable=False),
+    sa.Column("request", _Json, nullable=False),
+    sa.Column("metadata", _Json, nullable=False),
+    sa.Index("ix_responses_owner_id", "owner", "id"),
+    sa.Index("ix_responses_status", "status"),
+    sa.Index("ix_responses_created_at", "created_at"),
+)
+
+response_events = sa.Table(
+    "response_events",
+    metadata,
+    sa.Column("response_id", sa.Text, primary_key=True),
+    sa.Column("sequence_number", sa.BigInteger, primary_key=True),
+    sa.Column("event", _Json, nullable=False),
+)
+
+conversations = sa.Table(
+    "conversations",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Column("metadata", _Json, nullable=False),
+    # The next item position; kept on the conversation row so that locking the row serialises
+    # appends and positions are never reused after a delete.
+    sa.Column("next_position", sa.BigInteger, nullable=False),
+    sa.Index("ix_conversations_owner_id", "owner", "id"),
+)
+
+conversation_items = sa.Table(
+    "conversation_items",
+    metadata,
+    sa.Column("conversation_id", sa.Text, primary_key=True),
+    sa.Column("position", sa.BigInteger, primary_key=True),
+    sa.Column("item_id", sa.Text, nullable=False),
+    sa.Column("item", _Json, nullable=False),
+    sa.Column("created_at", sa.BigInteger, nullable=False),
+    sa.Index("ux_conversation_items_item_id", "conversation_id", "item_id", unique=True),
+)
+
+
+def _create_v1(conn: Connection) -> None:
+    metadata.create_all(
+        conn, tables=[responses, response_events, conversations, conversation_items], checkfirst=True
+    )
+
+
+#: version -> migration that brings the database from version - 1 to it.
+_MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+
+
+def _migrate(conn: Connection) -> None:
+    schema_version.create(conn, checkfirst=True)
+    current = conn.execute(sa.select(sa.func.max(schema_version.c.version))).scalar() or 0
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"storage schema version {current} is newer than this gateway's {SCHEMA_VERSION}; upgrade it"
+        )
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        _MIGRATIONS[version](conn)
+        conn.execute(sa.insert(schema_version).values(version=version, applied_at=time.time()))
+        logger.info("storage schema migrated to version %d", version)
+
+
+# -- dialects ------------------------------------------------------------------------------------
+
+# Execution option marking a write transaction, read by the SQLite "begin" hook.
+_WRITE = "harmony_gateway_write"
+
+
+class _SQLite:
+    """WAL, synchronous=FULL, busy_timeout; writes take the write lock up front (BEGIN IMMEDIATE)."""
+
+    insert = staticmethod(sqlite.insert)
+    # Writers in one process queue on an asyncio lock instead of polling SQLite's busy handler.
+    serialise_writes = True
+
+    def __init__(self, url: URL, schema: str | None) -> None:
+        if schema is not None:
+            raise ValueError("schema= is only supported for PostgreSQL")
+        if not url.database or url.database == ":memory:" or url.database.startswith("file:"):
+            raise ValueError("sqlite:// needs a file path (sqlite:///relative.db or sqlite:////abs.db)")
+        self.path = Path(url.database)
+        self.url = url.set(drivername="sqlite+aiosqlite")
+
+    def create_engine(self) -> AsyncEngine:
+        engine = create_async_engine(self.url)
+
+        @sa.event.listens_for(engine.sync_engine, "connect")
+        def _configure(dbapi_connection: Any, _record: Any) -> None:
+            # Take transaction control away from the sqlite3 module so "begin" below decides.
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = FULL")
+            cursor.close()
+
+        @sa.event.listens_for(engine.sync_engine, "begin")
+        def _begin(conn: Connection) -> None:
+            # A deferred transaction that later writes can fail with SQLITE_BUSY without waiting
+            # (its snapshot is stale), so writers take the lock at BEGIN, where busy_timeout applies.
+            mode = "IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "DEFERRED"
+            conn.exec_driver_sql(f"BEGIN {mode}")
+
+        return engine
+
+    async def prepare(self) -> None:
+        await anyio.to_thread.run_sync(lambda: self.path.parent.mkdir(parents=True, exist_ok=True))
+
+    async def lock_schema(self, conn: AsyncConnection) -> None:
+        # BEGIN IMMEDIATE already excludes every other writer, in any process.
+        pass
+
+
+class _Postgres:
+    """asyncpg; an advisory lock serialises schema creation; appends lock the conversation row."""
+
+    insert = staticmethod(postgresql.insert)
+    serialise_writes = False
+
+    def __init__(self, url: URL, schema: str | None) -> None:
+        self.url = url.set(drivername="postgresql+asyncpg")
+        self.schema = schema
+
+    def create_engine(self) -> AsyncEngine:
+        options: dict[str, Any] = {}
+        if self.schema is not None:
+            options["schema_translate_map"] = {None: self.schema}
+        return create_async_engine(self.url, pool_pre_ping=True, execution_options=options)
+
+    async def prepare(self) -> None:
+        pass
+
+    async def lock_schema(self, conn: AsyncConnection) -> None:
+        # Concurrent CREATE TABLE / CREATE SCHEMA IF NOT EXISTS can still collide on the catalog,
+        # so starting processes take turns; the lock is released at commit.
+        key = zlib.crc32(f"harmony-gateway:{self.schema or ''}".encode())
+        await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(sa.literal(key, sa.BigInteger))))
+        if self.schema is not None:
+            await conn.execute(sa.schema.CreateSchema(self.schema, if_not_exists=True))
+
+
+def _dialect_for(url: str, schema: str | None) -> _SQLite | _Postgres:
+    parsed = make_url(url)
+    backend, _, driver = parsed.drivername.partition("+")
+    if backend == "sqlite" and driver in ("", "aiosqlite"):
+        return _SQLite(parsed, schema)
+    if backend in ("postgresql", "postgres") and driver in ("", "asyncpg"):
+        return _Postgres(parsed, schema)
+    raise ValueError(f"unsupported SQL storage URL scheme {parsed.drivername!r}")
+
+
+# -- rows <-> records ----------------------------------------------------------------------------
+
+
+def _response_values(r: StoredResponse) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "owner": r.owner,
+        "created_at": r.created_at,
+        "updated_at": r.updated_at,
+        "status": r.status,
+        "model": r.model,
+        "previous_response_id": r.previous_response_id,
+        "conversation_id": r.conversation_id,
+        "background": r.background,
+        "response": r.response,
+        "input_items": r.input_items,
+        "history": r.history,
+        "request": r.request,
+        "metadata": r.metadata,
+    }
+
+
+def _response_from_row(row: sa.Row[Any]) -> StoredResponse:
+    m = row._mapping
+    return StoredResponse(
+        id=m["id"],
+        owner=m["owner"],
+        created_at=int(m["created_at"]),
+        updated_at=float(m["updated_at"]),
+        status=m["status"],
+        model=m["model"],
+        response=m["response"],
+        input_items=m["input_items"],
+        history=m["history"],
+        previous_response_id=m["previous_response_id"],
+        conversation_id=m["conversation_id"],
+        background=bool(m["background"]),
+        request=m["request"],
+        metadata=m["metadata"],
+    )
+
+
+def _conversation_from_row(row: sa.Row[Any]) -> StoredConversation:
+    m = row._mapping
+    return StoredConversation(
+        id=m["id"], owner=m["owner"], created_at=int(m["created_at"]), metadata=m["metadata"]
+    )
+
+
+def _item_from_row(row: sa.Row[Any]) -> ConversationItem:
+    m = row._mapping
+    return ConversationItem(
+        id=m["item_id"],
+        conversation_id=m["conversation_id"],
+        position=int(m["position"]),
+        item=m["item"],
+        created_at=int(m["created_at"]),
+    )
+
+
+def _owned_conversation(conversation_id: str, owner: str) -> sa.ColumnElement[bool]:
+    return sa.and_(conversations.c.id == conversation_id, conversations.c.owner == owner)
+
+
+class SqlStore:
+    """A `Store` on SQLite or PostgreSQL, chosen by URL.
+
+    Accepts `sqlite:///relative.db`, `sqlite:////absolute.db`, `postgresql://...` and
+    `postgres://...` (drivers aiosqlite and asyncpg are implied). `schema` (PostgreSQL only) puts
+    the tables in that schema, creating it if needed. Call `start()` before use, `close()` after.
+    """
+
+    def __init__(
+        self, url: str, *, schema: str | None = None, retention_seconds: float | None = None
+    ) -> None:
+        self.retention_seconds = retention_seconds
+        self._dialect = _dialect_for(url, schema)
+        self._engine = self._dialect.create_engine()
+        self._writer = self._engine.execution_options(**{_WRITE: True})
+        self._write_lock: asyncio.Lock | None = asyncio.Lock() if self._dialect.serialise_writes else None
+
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        """One write transaction, committed on exit (rolled back if the block raises)."""
+        try:
+            async with self._write_lock or contextlib.nullcontext(), self._writer.begin() as conn:
+                yield conn
+        except sa.exc.StatementError as exc:
+            # orjson failing on a payload surfaces here wrapped; report it as the caller's
+            # TypeError, exactly as MemoryStore does.
+            if isinstance(exc.orig, TypeError):
+                raise exc.orig from None
+            raise
+
+    def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]:
+        return self._engine.connect()
+
+    async def start(self) -> None:
+        await self._dialect.prepare()
+        async with self._write() as conn:
+            await self._dialect.lock_schema(conn)
+            await conn.run_sync(_migrate)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    # -- responses ------------------------------------------------------------------------------
+
+    async def put_response(self, response: StoredResponse) -> None:
+        if response.status not in RESPONSE_STATUSES:
+            raise ValueError(f"unknown response status {response.status!r}")
+        item_ids(response.input_items)
+        values = _response_values(response)
+        stmt = self._dialect.insert(responses).values(values)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[responses.c.id],
+            set_={name: stmt.excluded[name] for name in values if name != "id"},
+        )
+        async with self._write() as conn:
+            await conn.execute(stmt)
+
+    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+        query = sa.select(responses).where(responses.c.id == response_id, responses.c.owner == owner)
+        async with self._read() as conn:
+            row = (await conn.execute(query)).first()
+        return _response_from_row(row) if row is not None else None
+
+    async def delete_response(self, response_id: str, owner: str) -> bool:
+        async with self._write() as conn:
+            result = await conn.execute(
+                sa.delete(responses).where(responses.c.id == response_id, responses.c.owner == owner)
+            )
+            if result.rowcount == 0:
+                return False
+            await conn.execute(sa.delete(response_events).where(response_events.c.response_id == response_id))
+        return True
+
+    async def list_input_items(
+        self,
+        response_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        check_page_args(limit, order)
+        query = sa.select(responses.c.input_items).where(
+            responses.c.id == response_id, responses.c.owner == owner
+        )
+        async with self._read() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        return paginate(row.input_items, after=after, limit=limit, order=order)
+
+    async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        check_max_depth(max_depth)
+        # Walk the ids in one recursive query; the depth bound also ends a cycle.
+        start = sa.select(
+            responses.c.id,
+            responses.c.previous_response_id,
+            sa.literal_column("1", sa.Integer).label("depth"),
+        ).where(responses.c.id == response_id, responses.c.owner == owner)
+        walk = start.cte("chain", recursive=True)
+        parent = responses.alias("parent")
+        walk = walk.union_all(
+            sa.select(parent.c.id, parent.c.previous_response_id, walk.c.depth + 1)
+            .join_from(walk, parent, parent.c.id == walk.c.previous_response_id)
+            .where(parent.c.owner == owner, walk.c.depth < max_depth)
+        )
+        async with self._read() as conn:
+            walked = (await conn.execute(sa.select(walk.c.id).order_by(walk.c.depth))).scalars().all()
+            ids: list[str] = []
+            for walked_id in walked:
+                if walked_id in ids:
+                    logger.warning("previous_response_id cycle at %s; chain cut there", walked_id)
+                    break
+                ids.append(walked_id)
+            if not ids:
+                raise previous_response_not_found(response_id)
+            rows = await conn.execute(
+                sa.select(responses).where(responses.c.id.in_(ids), responses.c.owner == owner)
+            )
+            by_id = {row.id: _response_from_row(row) for row in rows}
+        chain: list[StoredResponse] = []
+        # A response deleted between the two queries ends the walk like a missing ancestor.
+        for walked_id in ids:
+            if walked_id not in by_id:
+                break
+            chain.append(by_id[walked_id])
+        if not chain:
+            raise previous_response_not_found(response_id)
+        chain.reverse()
+        return chain
+
+    async def list_responses_with_status(
+        self, statuses: set[str], *, background_only: bool = True
+    ) -> list[StoredResponse]:
+        if not statuses:
+            return []
+        query = sa.select(responses).where(responses.c.status.in_(sorted(statuses)))
+        if background_only:
+            query = query.where(responses.c.background.is_(True))
+        async with self._read() as conn:
+            rows = await conn.execute(query.order_by(responses.c.created_at, responses.c.id))
+            return [_response_from_row(row) for row in rows]
+
+    # -- background event log -------------------------------------------------------------------
+
+    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
+        numbers = sequence_numbers(events)
+        if not events:
+            return
+        stmt = self._dialect.insert(response_events).on_conflict_do_nothing(
+            index_elements=[response_events.c.response_id, response_events.c.sequence_number]
+        )
+        rows = [
+            {"response_id": response_id, "sequence_number": number, "event": event}
+            for number, event in zip(numbers, events, strict=True)
+        ]
+        async with self._write() as conn:
+            await conn.execute(stmt, rows)
+
+    async def list_events(self, response_id: str, *, after: int = -1) -> list[dict[str, Any]]:
+        query = (
+            sa.select(response_events.c.event)
+            .where(response_events.c.response_id == response_id, response_events.c.sequence_number > after)
+            .order_by(response_events.c.sequence_number)
+        )
+        async with self._read() as conn:
+            return list((await conn.execute(query)).scalars())
+
+    # -- conversations --------------------------------------------------------------------------
+
+    @staticmethod
+    async def _insert_items(
+        conn: AsyncConnection,
+        conversation_id: str,
+        first_position: int,
+        ids: list[str],
+        items: Sequence[dict[str, Any]],
+    ) -> list[ConversationItem]:
+        now = int(time.time())
+        added = [
+            ConversationItem(item_id, conversation_id, first_position + offset, item, now)
+            for offset, (item_id, item) in enumerate(zip(ids, items, strict=True))
+        ]
+        if added:
+            await conn.execute(
+                sa.insert(conversation_items),
+                [
+                    {
+                        "conversation_id": a.conversation_id,
+                        "position": a.position,
+                        "item_id": a.id,
+                        "item": a.item,
+                        "created_at": a.created_at,
+                    }
+                    for a in added
+                ],
+            )
+        return added
+
+    async def create_conversation(
+        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem]:
+        ids = item_ids(items)
+        check_new_item_ids(ids, set())
+        try:
+            async with self._write() as conn:
+                await conn.execute(
+                    sa.insert(conversations).values(
+                        id=conversation.id,
+                        owner=conversation.owner,
+                        created_at=conversation.created_at,
+                        metadata=conversation.metadata,
+                        next_position=len(ids),
+                    )
+                )
+                return await self._insert_items(conn, conversation.id, 0, ids, items)
+        except sa.exc.IntegrityError as exc:
+            raise errors.Conflict(f"Conversation '{conversation.id}' already exists.") from exc
+
+    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+        async with self._read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(conversations).where(_owned_conversation(conversation_id, owner))
+                )
+            ).first()
+        return _conversation_from_row(row) if row is not None else None
+
+    async def update_conversation_metadata(
+        self, conversation_id: str, owner: str, metadata: dict[str, Any]
+    ) -> StoredConversation | None:
+        async with self._write() as conn:
+            result = await conn.execute(
+                sa.update(conversations)
+                .where(_owned_conversation(conversation_id, owner))
+                .values(metadata=metadata)
+            )
+            if result.rowcount == 0:
+                return None
+            row = (
+                await conn.execute(sa.select(conversations).where(conversations.c.id == conversation_id))
+            ).one()
+        return _conversation_from_row(row)
+
+    async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
+        async with self._write() as conn:
+            result = await conn.execute(
+                sa.delete(conversations).where(_owned_conversation(conversation_id, owner))
+            )
+            if result.rowcount == 0:
+                return False
+            await conn.execute(
+                sa.delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id)
+            )
+        return True
+
+    async def add_conversation_items(
+        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+    ) -> list[ConversationItem] | None:
+        ids = item_ids(items)
+        async with self._write() as conn:
+            # The row lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE holds the database
+            # lock) makes concurrent appenders take turns on next_position.
+            next_position = (
+                await conn.execute(
+                    sa.select(conversations.c.next_position)
+                    .where(_owned_conversation(conversation_id, owner))
+                    .with_for_update()
+                )
+            ).scalar()
+            if next_position is None:
+                return None
+            if not ids:
+                return []
+            existing = (
+                await conn.execute(
+                    sa.select(conversation_items.c.item_id).where(
+                        conversation_items.c.conversation_id == conversation_id,
+                        conversation_items.c.item_id.in_(ids),
+                    )
+                )
+            ).scalars()
+            check_new_item_ids(ids, set(existing))
+            added = await self._insert_items(conn, conversation_id, next_position, ids, items)
+            await conn.execute(
+                sa.update(conversations)
+                .where(conversations.c.id == conversation_id)
+                .values(next_position=next_position + len(ids))
+            )
+        return added
+
+    async def list_conversation_items(
+        self,
+        conversation_id: str,
+        owner: str,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        order: Order = "desc",
+    ) -> Page | None:
+        check_page_args(limit, order)
+        position = conversation_items.c.position
+        query = sa.select(conversation_items.c.item).where(
+            conversation_items.c.conversation_id == conversation_id
+        )
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            if after is not None:
+                cursor = (
+                    await conn.execute(
+                        sa.select(position).where(
+                            conversation_items.c.conversation_id == conversation_id,
+                            conversation_items.c.item_id == after,
+                        )
+                    )
+                ).scalar()
+                if cursor is None:
+                    raise unknown_cursor(after)
+                query = query.where(position > cursor if order == "asc" else position < cursor)
+            query = query.order_by(position.asc() if order == "asc" else position.desc()).limit(limit + 1)
+            rows = list((await conn.execute(query)).scalars())
+        return make_page(rows, limit)
+
+    @staticmethod
+    async def _conversation_visible(conn: AsyncConnection, conversation_id: str, owner: str) -> bool:
+        found = await conn.execute(
+            sa.select(conversations.c.id).where(_owned_conversation(conversation_id, owner))
+        )
+        return found.first() is not None
+
+    async def get_conversation_item(
+        self, conversation_id: str, item_id: str, owner: str
+    ) -> ConversationItem | None:
+        query = (
+            sa.select(conversation_items)
+            .join(conversations, conversations.c.id == conversation_items.c.conversation_id)
+            .where(_owned_conversation(conversation_id, owner), conversation_items.c.item_id == item_id)
+        )
+        async with self._read() as conn:
+            row = (await conn.execute(query)).first()
+        return _item_from_row(row) if row is not None else None
+
+    async def delete_conversation_item(self, conversation_id: str, item_id: str, owner: str) -> bool:
+        stmt = sa.delete(conversation_items).where(
+            conversation_items.c.conversation_id == conversation_id,
+            conversation_items.c.item_id == item_id,
+            sa.exists().where(_owned_conversation(conversation_id, owner)),
+        )
+        async with self._write() as conn:
+            result = await conn.execute(stmt)
+        return result.rowcount > 0
+
+    async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
+        query = (
+            sa.select(conversation_items.c.item)
+            .where(conversation_items.c.conversation_id == conversation_id)
+            .order_by(conversation_items.c.position)
+        )
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            return list((await conn.execute(query)).scalars())
+
+    # -- retention ------------------------------------------------------------------------------
+
+    async def purge_expired(self, now: float) -> int:
+        if self.retention_seconds is None:
+            return 0
+        expired = responses.c.created_at < now - self.retention_seconds
+        async with self._write() as conn:
+            await conn.execute(
+                sa.delete(response_events).where(
+                    response_events.c.response_id.in_(sa.select(responses.c.id).where(expired))
+                )
+            )
+            result = await conn.execute(sa.delete(responses).where(expired))
+        return result.rowcount
