@@ -33,6 +33,7 @@ class GatewayState:
     metrics: Any = None
     tokenizers: dict[str, Any] = field(default_factory=dict)
     background: Any = None
+    health_config: Any = None
 
 
 def new_request_id() -> str:

@@ -144,7 +144,7 @@ async def dispatch(
             ) from None
         except UpstreamError as exc:
             for w in workers:
-                record_failure(w, settings)
+                record_failure(w, state.health_config)
             if yielded or not exc.retryable or attempt >= settings.max_retries:
                 raise
             attempt += 1

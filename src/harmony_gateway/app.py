@@ -1,0 +1,127 @@
+"""create_app(settings): builds the object graph in the lifespan and mounts the API.
+
+Start-up order: load the Harmony encoding (fail fast, naming TIKTOKEN_ENCODINGS_BASE), open storage,
+register and probe workers, then run the health checker in the lifespan task group until shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI
+
+from .api.error_responses import install_error_handlers
+from .api.routes import router
+from .engines.registry import create_client
+from .harmony.encoding import PromptRenderer, get_encoding
+from .pipeline.context import GatewayState
+from .routing.fleet import Fleet
+from .routing.health import HealthChecker, HealthConfig
+from .routing.registry import create_policy
+from .routing.workers import Worker, WorkerKind
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def build_state(settings: Settings) -> GatewayState:
+    encoding = get_encoding()
+
+    def policy_for(model: str, role: str) -> object:
+        if role == "prefill" and settings.prefill_policy:
+            name = settings.prefill_policy
+        elif role == "decode" and settings.decode_policy:
+            name = settings.decode_policy
+        else:
+            name = settings.model_policies.get(model, settings.policy)
+        options = {"cache_key": settings.cache_key} if name == "cache_aware" else {}
+        return create_policy(name, **options)
+
+    fleet = Fleet(
+        client_factory=lambda url, engine: create_client(
+            url, engine, request_timeout=settings.timeouts.total
+        ),
+        policy_factory=policy_for,
+        harmony_models=settings.harmony_models,
+        connect_timeout=settings.timeouts.connect,
+        health_timeout=settings.health_timeout,
+    )
+    health = HealthConfig(
+        interval=settings.health_interval,
+        timeout=settings.health_timeout,
+        failure_threshold=settings.health_failure_threshold,
+        success_threshold=settings.health_success_threshold,
+        breaker_failure_threshold=settings.breaker_failure_threshold,
+        breaker_cooldown=settings.breaker_cooldown,
+    )
+    return GatewayState(
+        settings=settings,
+        fleet=fleet,
+        encoding=encoding,
+        renderer=PromptRenderer(encoding),
+        health_config=health,
+    )
+
+
+async def add_worker(state: GatewayState, url: str, kind: WorkerKind, engine: str | None = None) -> Worker:
+    """Register a worker and probe it; it takes traffic only once a probe succeeded."""
+    worker = state.fleet.create_worker(url, kind, engine or state.settings.engine)
+    worker.breaker_cooldown = state.health_config.breaker_cooldown
+    await state.fleet.probe(worker)
+    if worker.healthy and kind is WorkerKind.PREFILL:
+        await _learn_bootstrap_port(state, worker)
+    return worker
+
+
+async def _learn_bootstrap_port(state: GatewayState, worker: Worker) -> None:
+    server_info = getattr(worker.client, "server_info", None)
+    if server_info is None:
+        return
+    with contextlib.suppress(Exception):
+        args = await server_info(timeout=state.settings.timeouts.connect)
+        port = args.get("disaggregation_bootstrap_port")
+        if port:
+            worker.bootstrap_port = int(port)
+
+
+async def _watch_workers(state: GatewayState, checker: HealthChecker) -> None:
+    """Probe workers whose model is still unknown (unreachable at start-up); the checker does the rest."""
+    while True:
+        await anyio.sleep(state.settings.health_interval)
+        for worker in state.fleet.all_workers():
+            if worker.model_info is None:
+                await state.fleet.probe(worker)
+
+
+def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw = state or build_state(settings)
+        app.state.gateway = gw
+        if not settings.api_keys:
+            log.warning("no API keys configured: the gateway accepts every request")
+        initial = [
+            *((url, WorkerKind.REGULAR) for url in settings.worker_urls),
+            *((url, WorkerKind.PREFILL) for url in settings.prefill_urls),
+            *((url, WorkerKind.DECODE) for url in settings.decode_urls),
+        ]
+        async with anyio.create_task_group() as tg:
+            for url, kind in initial:
+                tg.start_soon(add_worker, gw, url, kind)
+        checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(checker.run)
+                tg.start_soon(_watch_workers, gw, checker)
+                yield
+                tg.cancel_scope.cancel()
+        finally:
+            await gw.fleet.close()
+
+    app = FastAPI(title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    install_error_handlers(app)
+    app.include_router(router)
+    return app

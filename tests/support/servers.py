@@ -1,0 +1,76 @@
+"""Real servers on loopback for tests: the gateway under uvicorn on 127.0.0.1:0, next to sim engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import uvicorn
+
+from harmony_gateway.app import create_app
+from harmony_gateway.settings import Settings
+
+TEST_DATE = "2026-01-15"
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    app: Any
+    server: uvicorn.Server
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.gateway
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+def test_settings(**overrides: Any) -> Settings:
+    base = Settings(
+        conversation_start_date=TEST_DATE,
+        storage_url="memory://",
+        health_interval=0.5,
+        health_timeout=1.0,
+        retry_backoff=0.01,
+    )
+    return replace(base, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="on", log_config=None
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started or task.done():
+                break
+            await asyncio.sleep(0.01)
+        if task.done():
+            task.result()
+            raise RuntimeError("gateway did not start")
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield RunningGateway(url=f"http://127.0.0.1:{port}", app=app, server=server)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        if predicate():
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
