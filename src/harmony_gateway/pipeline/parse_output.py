@@ -25,6 +25,18 @@ TOOL_OPEN = 2
 TOOL_ARGS = 3
 
 
+def parse_chunk(parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> list[tp.Event]:
+    """Feed one engine chunk; on the choice's last chunk also close the output: feed a stop token the
+    engine stripped (so the last message ends as generated), then close anything unterminated."""
+    events = parser.feed(chunk.token_ids) if chunk.token_ids else []
+    if chunk.finished:
+        stop_token = chunk.matched_stop_token
+        if stop_token in ASSISTANT_STOP_IDS and not parser.halted and parser.open_message is not None:
+            events += parser.feed([stop_token])
+        events += parser.finish()
+    return events
+
+
 class StopScanner:
     """Finds client stop strings in answer text, holding back a tail that may start a stop string."""
 
@@ -110,7 +122,7 @@ class ChoiceOutput:
     def feed(self, chunk: EngineChunk) -> list[tuple[Any, ...]]:
         if self.finished:
             return []
-        events = self.parser.feed(chunk.token_ids) if chunk.token_ids else []
+        events = parse_chunk(self.parser, chunk)
         if chunk.prompt_tokens:
             self.prompt_tokens = chunk.prompt_tokens
         if chunk.completion_tokens:
