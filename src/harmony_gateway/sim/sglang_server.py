@@ -1,0 +1,350 @@
+"""The `sglang.grpc.scheduler.SglangScheduler` servicer of the simulated engine.
+
+Mirrors `smg_grpc_servicer/sglang/servicer.py`: stream mode sends one `GenerateStreamChunk` per step
+(`token_ids` new, counts cumulative) and, after a choice's last chunk, a `GenerateComplete` whose
+`output_ids` repeat that chunk's tokens; non-stream sends one Complete per choice with every id. Errors
+are gRPC status codes (INVALID_ARGUMENT for a bad request). Behaviour beyond the wire lives in `SimCore`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.struct_pb2 import Struct
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+
+from .server import (
+    ChoicePlan,
+    PromptRejected,
+    ReceivedRequest,
+    SimulatedFailure,
+    capture_handlers,
+    fake_logprob,
+    fake_top_logprobs,
+    serialize_response,
+)
+
+if TYPE_CHECKING:
+    from .server import Run, SimCore
+
+SERVICE_NAME = "sglang.grpc.scheduler.SglangScheduler"
+_VERSION = "sim-0.1"
+
+
+def output_logprobs(tokens: list[int], first_position: int, top: int) -> pb.OutputLogProbs:
+    out = pb.OutputLogProbs(
+        token_logprobs=[fake_logprob(t, first_position + i) for i, t in enumerate(tokens)],
+        token_ids=tokens,
+    )
+    if top > 0:
+        for i, token in enumerate(tokens):
+            values, ids = fake_top_logprobs(token, first_position + i, top)
+            out.top_logprobs.append(pb.TopLogProbs(values=values, token_ids=ids))
+    return out
+
+
+class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
+    """SglangScheduler over a `SimCore`; RPCs it does not simulate answer UNIMPLEMENTED."""
+
+    def __init__(self, core: SimCore) -> None:
+        self._core = core
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.GenerateResponse | bytes]:
+        core = self._core
+        ids = list(request.tokenized.input_ids)
+        received = ReceivedRequest(
+            request_id=request.request_id,
+            input_ids=ids,
+            sampling=MessageToDict(request.sampling_params, preserving_proto_field_name=True),
+            stream=request.stream,
+            return_logprob=request.return_logprob,
+            top_logprobs_num=request.top_logprobs_num,
+        )
+        if request.HasField("disaggregated_params"):
+            params = request.disaggregated_params
+            received.bootstrap_host = params.bootstrap_host or None
+            received.bootstrap_port = params.bootstrap_port or None
+            received.bootstrap_room = params.bootstrap_room  # room 0 is a valid room
+        run = core.admit(received)
+        try:
+            async for response in self._generate(request, run, ids):
+                yield response
+        except SimulatedFailure as exc:
+            await context.abort(exc.code, exc.message)
+        except PromptRejected as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            core.release(run)
+
+    async def _generate(
+        self, request: pb.GenerateRequest, run: Run, ids: list[int]
+    ) -> AsyncIterator[pb.GenerateResponse | bytes]:
+        core = self._core
+        config = core.config
+        rid = request.request_id
+        sp = request.sampling_params
+        prompt_tokens = len(ids)
+        cached = run.cached_tokens
+        if config.mode == "prefill":
+            # The prefill half of a PD pair only fills the KV cache; the decode worker streams the tokens.
+            if prompt_tokens >= config.max_context_length:
+                raise PromptRejected(f"The input ({prompt_tokens} tokens) is longer than the context length.")
+            await run.wait_whole([])
+            complete = pb.GenerateComplete(
+                finish_reason="stop", prompt_tokens=prompt_tokens, cached_tokens=cached
+            )
+            if request.stream:
+                chunk = pb.GenerateStreamChunk(prompt_tokens=prompt_tokens, cached_tokens=cached)
+                yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+            yield pb.GenerateResponse(request_id=rid, complete=complete)
+            return
+        plans = core.plan(
+            ids,
+            n=sp.n,
+            max_new_tokens=sp.max_new_tokens if sp.HasField("max_new_tokens") else None,
+            stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos,
+        )
+        top = request.top_logprobs_num if request.return_logprob else 0
+        want_logprobs = request.return_logprob
+        if request.stream:
+            interval = sp.stream_interval if sp.HasField("stream_interval") else 0
+            size = max(1, interval if interval > 0 else config.tokens_per_chunk)
+            if not want_logprobs:
+                # Pre-serialized frames: a GenerateResponse body without field 1 (request_id) plus that
+                # field's bytes is the whole message, because concatenated protobuf messages merge.
+                raw_id = rid.encode()
+                prefix = b"\x0a" + _varint(len(raw_id)) + raw_id
+                frames = {plan.index: self._frames(plan, size, prompt_tokens, cached) for plan in plans}
+                async for step in run.stream_steps(plans, size):
+                    chunks, complete = frames[step.plan.index]
+                    yield prefix + chunks[step.start // size]
+                    if step.last:
+                        yield prefix + complete
+            else:
+                async for step in run.stream_steps(plans, size):
+                    plan = step.plan
+                    tokens = plan.visible(step.start, step.end)
+                    logprobs = output_logprobs(tokens, step.start, top)
+                    chunk = pb.GenerateStreamChunk(
+                        token_ids=tokens,
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=step.end,
+                        cached_tokens=cached,
+                        output_logprobs=logprobs,
+                        index=plan.index,
+                    )
+                    yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+                    if step.last:
+                        # Real SGLang builds the Complete from the same engine output as the last chunk.
+                        yield self._complete(rid, plan, tokens, prompt_tokens, cached, logprobs)
+        else:
+            await run.wait_whole(plans)
+            if not run.aborted:
+                for plan in plans:
+                    plan.done = True
+                    plan.sent = len(plan.ids)
+                    tokens = plan.visible_ids
+                    logprobs = output_logprobs(tokens, 0, top) if want_logprobs else None
+                    yield self._complete(rid, plan, tokens, prompt_tokens, cached, logprobs)
+        for plan in plans:
+            if not plan.done:
+                yield pb.GenerateResponse(
+                    request_id=rid,
+                    complete=pb.GenerateComplete(
+                        finish_reason="abort",
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=plan.sent,
+                        cached_tokens=cached,
+                        index=plan.index,
+                    ),
+                )
+
+    def _frames(
+        self, plan: ChoicePlan, size: int, prompt_tokens: int, cached: int
+    ) -> tuple[list[bytes], bytes]:
+        key = (
+            "sglang",
+            tuple(plan.ids),
+            plan.index,
+            plan.finish_reason,
+            plan.matched_token_id,
+            plan.hide_last,
+            size,
+            prompt_tokens,
+            cached,
+        )
+        return self._core.frames.get(key, lambda: self._build_frames(plan, size, prompt_tokens, cached))
+
+    def _build_frames(
+        self, plan: ChoicePlan, size: int, prompt_tokens: int, cached: int
+    ) -> tuple[list[bytes], bytes]:
+        chunks: list[bytes] = []
+        tokens: list[int] = []
+        for start in range(0, max(len(plan.ids), 1), size):
+            end = min(start + size, len(plan.ids))
+            tokens = plan.visible(start, end)
+            chunk = pb.GenerateStreamChunk(
+                token_ids=tokens,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=end,
+                cached_tokens=cached,
+                index=plan.index,
+            )
+            chunks.append(pb.GenerateResponse(chunk=chunk).SerializeToString())
+        complete = self._complete("", plan, tokens, prompt_tokens, cached, None).SerializeToString()
+        return chunks, complete
+
+    @staticmethod
+    def _complete(
+        rid: str,
+        plan: ChoicePlan,
+        tokens: list[int],
+        prompt_tokens: int,
+        cached: int,
+        logprobs: pb.OutputLogProbs | None,
+    ) -> pb.GenerateResponse:
+        complete = pb.GenerateComplete(
+            output_ids=tokens,
+            finish_reason=plan.finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(plan.ids),
+            cached_tokens=cached,
+            output_logprobs=logprobs,
+            index=plan.index,
+        )
+        if plan.matched_token_id is not None:
+            complete.matched_token_id = plan.matched_token_id
+        return pb.GenerateResponse(request_id=rid, complete=complete)
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.AbortResponse:
+        found = self._core.abort(request.request_id)
+        state = "aborted" if found else "not found"
+        return pb.AbortResponse(success=found, message=f"Request {request.request_id} {state}")
+
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.HealthCheckResponse:
+        healthy = self._core.healthy
+        return pb.HealthCheckResponse(healthy=healthy, message="ok" if healthy else "simulated unhealthy")
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetModelInfoResponse:
+        config = self._core.config
+        return pb.GetModelInfoResponse(
+            model_path=config.model,
+            tokenizer_path="",
+            is_generation=True,
+            preferred_sampling_params="",
+            weight_version="sim",
+            served_model_name=config.model,
+            max_context_length=config.max_context_length,
+            vocab_size=201088 if config.harmony else 32000,
+            supports_vision=False,
+            model_type="gpt_oss" if config.harmony else "qwen2",
+            architectures=["GptOssForCausalLM"] if config.harmony else ["Qwen2ForCausalLM"],
+            eos_token_ids=list(config.eos_token_ids),
+            pad_token_id=199999 if config.harmony else 0,
+            bos_token_id=199998 if config.harmony else 1,
+            max_req_input_len=config.max_context_length,
+            default_sampling_params_json="",
+        )
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetServerInfoResponse:
+        core = self._core
+        config = core.config
+        server_args = Struct()
+        server_args.update(
+            {
+                # SGLang spells "no disaggregation" as "null".
+                "disaggregation_mode": "null" if config.mode == "regular" else config.mode,
+                "disaggregation_bootstrap_port": config.bootstrap_port,
+                "model_path": config.model,
+                "served_model_name": config.model,
+                "context_length": config.max_context_length,
+                "page_size": 16,
+            }
+        )
+        return pb.GetServerInfoResponse(
+            server_args=server_args,
+            active_requests=core.active,
+            is_paused=False,
+            last_receive_timestamp=core.last_receive,
+            uptime_seconds=time.time() - core.started_at,
+            sglang_version=_VERSION,
+            server_type="grpc",
+            max_total_num_tokens=1_000_000,
+        )
+
+    async def GetLoads(
+        self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetLoadsResponse:
+        active = self._core.active
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=active,
+            num_waiting_reqs=0,
+            num_total_reqs=active,
+            max_total_num_tokens=1_000_000,
+            max_running_requests=1024,
+        )
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=_VERSION,
+            dp_rank_count=1,
+            loads=[load],
+            aggregate=pb.AggregateMetrics(total_running_reqs=active, total_reqs=active),
+        )
+
+    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
+
+    Embed = _unimplemented
+    FlushCache = _unimplemented
+    StartProfile = _unimplemented
+    StopProfile = _unimplemented
+    GetTokenizer = _unimplemented
+    SubscribeKvEvents = _unimplemented
+    LoadLoRAAdapter = _unimplemented
+    UnloadLoRAAdapter = _unimplemented
+    ListLoadedLoRAAdapters = _unimplemented
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def add_to_server(servicer: SimSglangScheduler, server: grpc.aio.Server) -> None:
+    """Register like the generated helper, but Generate may also yield pre-serialized frames."""
+    handlers = capture_handlers(pb_grpc.add_SglangSchedulerServicer_to_server, servicer)
+    handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Generate,
+        request_deserializer=pb.GenerateRequest.FromString,
+        response_serializer=serialize_response,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+__all__ = ["SERVICE_NAME", "SimSglangScheduler", "add_to_server", "output_logprobs"]
