@@ -14,15 +14,20 @@ import anyio
 from fastapi import FastAPI
 
 from .api.error_responses import install_error_handlers
+from .api.responses import router as responses_router
 from .api.routes import router
+from .api.workers import router as workers_router
 from .engines.registry import create_client
 from .harmony.encoding import PromptRenderer, get_encoding
+from .observability.metrics import GatewayMetrics
+from .pipeline.background import BackgroundRunner, default_runner_id, fail_interrupted
 from .pipeline.context import GatewayState
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy
 from .routing.workers import Worker, WorkerKind
 from .settings import Settings
+from .storage import default_storage_url, open_store
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ def build_state(settings: Settings) -> GatewayState:
         encoding=encoding,
         renderer=PromptRenderer(encoding),
         health_config=health,
+        metrics=GatewayMetrics(fleet.all_workers),
     )
 
 
@@ -101,6 +107,12 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw = state or build_state(settings)
         app.state.gateway = gw
+        storage_url = settings.storage_url or default_storage_url()
+        gw.store = open_store(storage_url)
+        await gw.store.start()
+        log.info("storing responses in %s", storage_url.split("@")[-1])
+        gw.background = BackgroundRunner(default_runner_id(settings.port))
+        await fail_interrupted(gw.store, gw.background.runner_id)
         if not settings.api_keys:
             log.warning("no API keys configured: the gateway accepts every request")
         initial = [
@@ -119,9 +131,13 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 yield
                 tg.cancel_scope.cancel()
         finally:
+            await gw.background.shutdown()
             await gw.fleet.close()
+            await gw.store.close()
 
     app = FastAPI(title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(workers_router)
     return app

@@ -1,0 +1,206 @@
+"""Responses and Conversations routes: thin handlers over pipeline/responses.py and the store."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ..errors import InvalidRequest, NotFound
+from ..observability.logging import log_request
+from ..pipeline.responses import cancel_response, run_responses
+from ..pipeline.responses_input import new_id, normalize_items
+from ..storage.base import StoredConversation
+from .routes import gateway, json_body, json_response, new_context, owner_of, run_logged, sse_response
+from .schemas.responses import (
+    ConversationCreate,
+    ConversationItemsCreate,
+    ConversationUpdate,
+    ResponsesRequest,
+)
+
+router = APIRouter()
+
+
+def _page_params(request: Request) -> tuple[str | None, int, str]:
+    q = request.query_params
+    after = q.get("after") or None
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise InvalidRequest("limit must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise InvalidRequest("limit must be between 1 and 100", param="limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
+    return after, limit, order
+
+
+def _list_body(page: Any) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": page.data,
+        "first_id": page.first_id,
+        "last_id": page.last_id,
+        "has_more": page.has_more,
+    }
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    state = gateway(request)
+    ctx = new_context(request, "responses", state)
+    body = await json_body(request)
+    req = ResponsesRequest.model_validate(body)
+    result = await run_logged(ctx, run_responses(state, req, ctx))
+    if isinstance(result, dict):
+        log_request(ctx)
+        return json_response(result, ctx)
+    return sse_response(result, ctx)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    record = await state.store.get_response(response_id, owner)
+    if record is None:
+        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
+    return json_response(record.response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    if not await state.store.delete_response(response_id, owner):
+        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
+    return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel(response_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    return json_response(await cancel_response(state, response_id, owner))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def input_items(response_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    after, limit, order = _page_params(request)
+    page = await state.store.list_input_items(response_id, owner, after=after, limit=limit, order=order)
+    if page is None:
+        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
+    return json_response(_list_body(page))
+
+
+# -- conversations -----------------------------------------------------------------------------------
+def _conversation_body(conv: StoredConversation) -> dict[str, Any]:
+    return {"id": conv.id, "object": "conversation", "created_at": conv.created_at, "metadata": conv.metadata}
+
+
+@router.post("/v1/conversations")
+async def create_conversation(request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    req = ConversationCreate.model_validate(await json_body(request))
+    items = normalize_items(req.items or [], param="items")
+    conv = StoredConversation(
+        id=new_id("conv"), owner=owner, created_at=int(time.time()), metadata=req.metadata or {}
+    )
+    await state.store.create_conversation(conv, items)
+    return json_response(_conversation_body(conv))
+
+
+async def _conversation(state: Any, conversation_id: str, owner: str) -> StoredConversation:
+    conv = await state.store.get_conversation(conversation_id, owner)
+    if conv is None:
+        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
+    return conv  # type: ignore[no-any-return]
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, request: Request) -> Response:
+    state = gateway(request)
+    return json_response(
+        _conversation_body(await _conversation(state, conversation_id, owner_of(state, request)))
+    )
+
+
+@router.post("/v1/conversations/{conversation_id}")
+async def update_conversation(conversation_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    req = ConversationUpdate.model_validate(await json_body(request))
+    conv = await state.store.update_conversation_metadata(conversation_id, owner, req.metadata)
+    if conv is None:
+        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
+    return json_response(_conversation_body(conv))
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, request: Request) -> Response:
+    state = gateway(request)
+    if not await state.store.delete_conversation(conversation_id, owner_of(state, request)):
+        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
+    return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+@router.get("/v1/conversations/{conversation_id}/items")
+async def list_items(conversation_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    after, limit, order = _page_params(request)
+    page = await state.store.list_conversation_items(
+        conversation_id, owner, after=after, limit=limit, order=order
+    )
+    if page is None:
+        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
+    return json_response(_list_body(page))
+
+
+@router.post("/v1/conversations/{conversation_id}/items")
+async def add_items(conversation_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    req = ConversationItemsCreate.model_validate(await json_body(request))
+    items = normalize_items(req.items, param="items")
+    added = await state.store.add_conversation_items(conversation_id, owner, items)
+    if added is None:
+        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
+    data = [entry.item for entry in added]
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"],
+            "last_id": data[-1]["id"],
+            "has_more": False,
+        }
+    )
+
+
+@router.get("/v1/conversations/{conversation_id}/items/{item_id}")
+async def get_item(conversation_id: str, item_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    await _conversation(state, conversation_id, owner)
+    entry = await state.store.get_conversation_item(conversation_id, item_id, owner)
+    if entry is None:
+        raise NotFound(f"Item with id {item_id!r} not found", param="item_id")
+    return json_response(entry.item)
+
+
+@router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
+async def delete_item(conversation_id: str, item_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner = owner_of(state, request)
+    conv = await _conversation(state, conversation_id, owner)
+    if not await state.store.delete_conversation_item(conversation_id, item_id, owner):
+        raise NotFound(f"Item with id {item_id!r} not found", param="item_id")
+    return json_response(_conversation_body(conv))

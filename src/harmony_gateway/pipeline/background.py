@@ -1,0 +1,76 @@
+"""Background responses: tasks owned by the app lifespan, cancellable by response id.
+
+A background response outlives its HTTP request. Each task is tracked so `POST /cancel` can stop it
+(cancellation reaches `dispatch`, which aborts the engine request) and shutdown can stop them all.
+Responses a previous run of this replica left queued or in progress are marked failed at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RUNNER_KEY = "_runner"
+
+
+def default_runner_id(port: int) -> str:
+    return f"{socket.gethostname()}:{port}"
+
+
+class BackgroundRunner:
+    def __init__(self, runner_id: str) -> None:
+        self.runner_id = runner_id
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work, name=f"background-{response_id}")
+        self._tasks[response_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(response_id, None))
+
+    def running(self, response_id: str) -> bool:
+        return response_id in self._tasks
+
+    async def cancel(self, response_id: str) -> bool:
+        task = self._tasks.get(response_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.wait({task}, timeout=10)
+        return True
+
+    async def shutdown(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+
+
+async def fail_interrupted(store: Any, runner_id: str) -> int:
+    """Mark responses this replica was running when it stopped as failed, so none stays in progress."""
+    stale = await store.list_responses_with_status({"queued", "in_progress"}, background_only=True)
+    count = 0
+    for record in stale:
+        if record.metadata.get(RUNNER_KEY) not in (None, runner_id):
+            continue  # another replica's work
+        record.status = "failed"
+        record.updated_at = time.time()
+        record.response = dict(
+            record.response,
+            status="failed",
+            error={
+                "code": "server_error",
+                "message": "the gateway restarted while this response was running",
+            },
+        )
+        await store.put_response(record)
+        count += 1
+    if count:
+        log.warning("marked %d interrupted background responses as failed", count)
+    return count

@@ -1,0 +1,210 @@
+"""Responses input items: normalisation (ids, content parts) and mapping to Harmony messages (REFERENCE §2.4).
+
+Items are normalised once, when a request arrives, so that storage, `input_items` listings and
+conversations all see the same item dicts with ids.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import InvalidRequest
+from ..harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
+
+ITEM_PREFIXES = {
+    "message": "msg",
+    "reasoning": "rs",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "mcp_list_tools": "mcpl",
+    "mcp_call": "mcp",
+    "mcp_approval_request": "mcpr",
+    "mcp_approval_response": "mcpa",
+    "web_search_call": "ws",
+    "code_interpreter_call": "ci",
+    "item_reference": "ref",
+}
+TEXT_PARTS = {"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"}
+MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{os.urandom(16).hex()}"
+
+
+def _parts(content: Any, role: str, param: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        kind = "output_text" if role == "assistant" else "input_text"
+        part: dict[str, Any] = {"type": kind, "text": content}
+        if kind == "output_text":
+            part["annotations"] = []
+        return [part]
+    if not isinstance(content, list):
+        raise InvalidRequest("message content must be a string or a list of parts", param=param)
+    out = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise InvalidRequest("content parts must be objects", param=f"{param}[{j}]")
+        kind = part.get("type")
+        if kind in ("input_image", "input_file", "input_audio", "image_url", "computer_screenshot"):
+            raise InvalidRequest(
+                f"content part type {kind!r} is not supported: this model accepts text only",
+                param=f"{param}[{j}]",
+            )
+        if kind not in TEXT_PARTS:
+            raise InvalidRequest(f"unknown content part type {kind!r}", param=f"{param}[{j}].type")
+        text = part.get("text", part.get("refusal"))
+        if not isinstance(text, str):
+            raise InvalidRequest("text parts must carry a string 'text'", param=f"{param}[{j}].text")
+        out.append(part)
+    return out
+
+
+def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") -> list[dict[str, Any]]:
+    """Input as item dicts with ids and list-of-parts content. Raises InvalidRequest naming the field."""
+    if isinstance(raw, str):
+        return [
+            {
+                "type": "message",
+                "id": new_id("msg"),
+                "role": "user",
+                "content": [{"type": "input_text", "text": raw}],
+                "status": "completed",
+            }
+        ]
+    items = []
+    for i, item in enumerate(raw):
+        where = f"{param}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequest("input items must be objects", param=where)
+        item = dict(item)
+        kind = item.get("type")
+        if kind is None and "role" in item:
+            kind = item["type"] = "message"
+        if kind not in ITEM_PREFIXES:
+            raise InvalidRequest(f"Unknown input item type {kind!r}", param=f"{where}.type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise InvalidRequest(f"invalid message role {role!r}", param=f"{where}.role")
+            item["content"] = _parts(item.get("content", ""), role, f"{where}.content")
+            item.setdefault("status", "completed")
+        elif kind == "function_call":
+            for key in ("call_id", "name"):
+                if not isinstance(item.get(key), str) or not item[key]:
+                    raise InvalidRequest(f"function_call items need a string {key!r}", param=f"{where}.{key}")
+            if not isinstance(item.get("arguments", ""), str):
+                raise InvalidRequest(
+                    "function_call arguments must be a JSON string", param=f"{where}.arguments"
+                )
+            item.setdefault("arguments", "")
+            item.setdefault("status", "completed")
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise InvalidRequest(
+                    "function_call_output items need a string 'call_id'", param=f"{where}.call_id"
+                )
+            output = item.get("output")
+            if not isinstance(output, (str, list)):
+                raise InvalidRequest(
+                    "function_call_output 'output' must be a string or parts", param=f"{where}.output"
+                )
+        elif kind == "mcp_approval_response":
+            if not isinstance(item.get("approval_request_id"), str):
+                raise InvalidRequest(
+                    "mcp_approval_response items need an 'approval_request_id'",
+                    param=f"{where}.approval_request_id",
+                )
+            if not isinstance(item.get("approve"), bool):
+                raise InvalidRequest(
+                    "mcp_approval_response items need a boolean 'approve'", param=f"{where}.approve"
+                )
+        elif kind == "item_reference" and not isinstance(item.get("id"), str):
+            raise InvalidRequest("item_reference items need an 'id'", param=f"{where}.id")
+        if kind != "item_reference" and not item.get("id"):
+            item["id"] = new_id(ITEM_PREFIXES[kind])
+        items.append(item)
+    return items
+
+
+def part_text(parts: Any) -> str:
+    if isinstance(parts, str):
+        return parts
+    pieces = []
+    for part in parts or ():
+        if isinstance(part, dict):
+            value = part.get("text", part.get("refusal", ""))
+            if isinstance(value, str):
+                pieces.append(value)
+    return "".join(pieces)
+
+
+def call_names_of(items: Iterable[dict[str, Any]]) -> dict[str, str]:
+    return {
+        item["call_id"]: item["name"]
+        for item in items
+        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
+    }
+
+
+def items_to_messages(
+    items: list[dict[str, Any]],
+    call_names: dict[str, str],
+    *,
+    param: str = "input",
+    leading_instructions: list[str] | None = None,
+    resolve_reference: Any = None,
+    mcp_replay: Any = None,
+) -> list[Msg]:
+    """Map items to Harmony messages. Leading system/developer messages go to `leading_instructions`
+    when that list is given (they become the developer message's instructions)."""
+    messages: list[Msg] = []
+    leading = leading_instructions is not None
+    for i, item in enumerate(items):
+        where = f"{param}[{i}]"
+        kind = item.get("type")
+        if kind == "item_reference":
+            if resolve_reference is None:
+                raise InvalidRequest(f"item {item.get('id')!r} not found", param=f"{where}.id")
+            item = resolve_reference(item["id"], where)
+            kind = item.get("type")
+        if kind == "message":
+            role = item["role"]
+            text = part_text(item.get("content"))
+            if role in ("system", "developer"):
+                if leading and leading_instructions is not None:
+                    if text:
+                        leading_instructions.append(text)
+                elif text:
+                    messages.append(developer_text(text))
+                continue
+            leading = False
+            if role == "user":
+                messages.append(user(text))
+            elif text:
+                messages.append(
+                    assistant(text, "commentary" if item.get("phase") == "commentary" else "final")
+                )
+            continue
+        leading = False
+        if kind == "reasoning":
+            texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
+            if texts:
+                messages.append(assistant("\n".join(texts), "analysis"))
+        elif kind == "function_call":
+            messages.append(assistant_call("functions." + item["name"], item.get("arguments") or ""))
+        elif kind == "function_call_output":
+            name = call_names.get(item["call_id"])
+            if name is None:
+                raise InvalidRequest(
+                    f"No tool call found for function call output with call_id {item['call_id']!r}",
+                    param=f"{where}.call_id",
+                )
+            messages.append(tool_result("functions." + name, part_text(item.get("output"))))
+        elif kind in ("mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
+            if mcp_replay is not None:
+                messages.extend(mcp_replay(item))
+        # web_search_call / code_interpreter_call without a stored result: omitted (REFERENCE §2.4)
+    return messages
