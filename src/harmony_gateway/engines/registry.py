@@ -4,21 +4,31 @@ from __future__ import annotations
 
 from ..errors import InvalidRequest
 from .base import EngineClient
+from .detect import DetectingGrpcClient
 from .sglang_grpc import SglangGrpcClient
+from .vllm_grpc import VllmGrpcClient
 
-GRPC_ENGINES = {
+GRPC_ENGINES: dict[str, type[EngineClient]] = {
     "sglang": SglangGrpcClient,
+    "vllm": VllmGrpcClient,
+    "auto": DetectingGrpcClient,
 }
 
 
 def create_client(url: str, engine: str = "auto", *, request_timeout: float = 1800.0) -> EngineClient:
-    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: sglang, vllm, or auto)."""
+    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: sglang, vllm, or auto).
+
+    `auto` decides on the worker's first probe: SGLang unless its HealthCheck is UNIMPLEMENTED, then vLLM.
+    Raises InvalidRequest for an unknown engine or URL scheme; connects lazily (no I/O here).
+    """
     if url.startswith(("grpc://", "grpcs://")):
-        name = "sglang" if engine == "auto" else engine
-        cls = GRPC_ENGINES.get(name)
+        host, _, port = url.split("://", 1)[1].rstrip("/").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequest(f"worker URL {url!r} needs a host and a port: grpc://host:port", param="url")
+        cls = GRPC_ENGINES.get(engine)
         if cls is None:
             raise InvalidRequest(
                 f"unknown engine {engine!r}; expected one of {', '.join(GRPC_ENGINES)}", param="engine"
             )
-        return cls(url, request_timeout=request_timeout)
+        return cls(url, request_timeout=request_timeout)  # type: ignore[call-arg]
     raise InvalidRequest(f"unsupported worker URL {url!r}: use grpc://host:port", param="url")

@@ -86,6 +86,8 @@ class Fleet:
         try:
             if worker.model_info is None:
                 worker.model_info = await worker.client.model_info(timeout=self._connect_timeout)
+                # `--engine auto` clients know their protocol after the first call.
+                worker.engine = getattr(worker.client, "engine", worker.engine)
                 self._attach(worker)
             healthy = await worker.client.health(self._health_timeout)
         except GatewayError as exc:

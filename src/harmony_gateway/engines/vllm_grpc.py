@@ -1,0 +1,205 @@
+"""Engine client for the vLLM engine gRPC service (`vllm.grpc.engine.VllmEngine`).
+
+Normalises vLLM's stream (the servicer runs the engine with `output_kind=DELTA` when streaming) into the
+same `EngineChunk`s the SGLang client yields:
+
+| wire                                  | vLLM                                  | EngineChunk                      |
+|---------------------------------------|---------------------------------------|----------------------------------|
+| `GenerateStreamChunk.token_ids`       | new ids of this step                  | `token_ids` as-is                |
+| `GenerateStreamChunk.completion_tokens` | ids in this step (a delta count)    | running total per choice         |
+| stream `GenerateComplete.output_ids`  | the last delta again                  | ignored (tokens come from chunks)|
+| stream `GenerateComplete.completion_tokens` | the last delta's length         | running total (or the Complete's, if larger) |
+| non-stream `GenerateComplete`         | every id, total count                 | one finished chunk with all ids  |
+
+vLLM reports `matched_token_id` only for ids listed in `stop_token_ids`; a stop on the model's primary EOS
+(`<|return|>` for gpt-oss) arrives with no matched stop, and the output parser closes the message at
+finish. Prefill/decode disaggregation uses `kv_transfer_params_json` where SGLang uses bootstrap fields;
+see `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from .base import BootstrapInfo, EngineChunk, GenerateRequest, ModelInfo
+from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .sglang_grpc import CHANNEL_OPTIONS, _logprobs, grpc_target
+
+#: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
+KV_PRODUCER = "kv_producer"
+
+
+def kv_transfer_params(bootstrap: BootstrapInfo, kv_role: str) -> dict[str, Any]:
+    """The connector params for one side of a PD pair, sent as `kv_transfer_params_json`.
+
+    Both sides get the prefill worker's host/port and the shared room (as `bootstrap_room` and as the
+    string `transfer_id`), so the engines rendezvous the way SGLang's bootstrap does and both requests
+    can be sent at once. The producer (prefill, `kv_role == "kv_producer"`) is told to keep the KV cache
+    for a remote decode and gets `max_tokens = 1`; every other role is told to pull it from the remote
+    prefill:
+
+        prefill: {"do_remote_decode": true,  "do_remote_prefill": false, "remote_host": "10.0.0.5",
+                  "remote_port": 8998, "bootstrap_room": 42, "transfer_id": "42"}
+        decode:  {"do_remote_decode": false, "do_remote_prefill": true,  ...same rendezvous fields}
+    """
+    producer = kv_role == KV_PRODUCER
+    return {
+        "do_remote_decode": producer,
+        "do_remote_prefill": not producer,
+        "remote_host": bootstrap.host,
+        "remote_port": bootstrap.port,
+        "bootstrap_room": bootstrap.room,
+        "transfer_id": str(bootstrap.room),
+    }
+
+
+class VllmGrpcClient:
+    """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`."""
+
+    engine = "vllm"
+
+    def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
+        self.url = url
+        self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.VllmEngineStub(self._channel)
+        self._request_timeout = request_timeout
+        #: `GetServerInfo.kv_role`, learned once on the first PD request (or `server_info()`).
+        self.kv_role: str | None = None
+
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return ModelInfo(
+            served_model_name=info.served_model_name or info.model_path,
+            model_type=info.model_type,
+            architectures=list(info.architectures),
+            max_context_length=info.max_context_length,
+            eos_token_ids=list(info.eos_token_ids),
+            default_sampling=ModelInfo.parse_sampling_json(info.default_sampling_params_json),
+            tokenizer_path=info.tokenizer_path,
+        )
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """`GetServerInfo` as a dict keyed by proto field names (`kv_role`, `kv_connector`, ...)."""
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        self.kv_role = info.kv_role
+        return json_format.MessageToDict(info, preserving_proto_field_name=True)
+
+    async def health(self, timeout: float) -> bool:
+        with map_grpc_errors(self.url):
+            reply = await self._stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
+        return bool(reply.healthy)
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        with map_grpc_errors(self.url):
+            await self._stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=timeout)
+
+    def to_proto(self, request: GenerateRequest, kv_role: str = "") -> pb.GenerateRequest:
+        s = request.sampling
+        params = pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=max(s.top_k, 0),  # uint32 on this wire: 0 disables top-k
+            min_p=s.min_p,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            min_tokens=s.min_new_tokens,
+            stop=s.stop,
+            stop_token_ids=s.stop_token_ids,
+            skip_special_tokens=s.skip_special_tokens,
+            ignore_eos=s.ignore_eos,
+            n=s.n,
+            include_stop_str_in_output=s.no_stop_trim,
+        )
+        if s.max_new_tokens is not None:
+            params.max_tokens = s.max_new_tokens
+        if s.seed is not None:
+            params.seed = s.seed
+        if request.return_logprob:
+            params.logprobs = request.top_logprobs_num
+        if s.json_schema is not None:
+            params.json_schema = s.json_schema
+        elif s.regex is not None:
+            params.regex = s.regex
+        elif s.structural_tag is not None:
+            params.structural_tag = s.structural_tag
+        message = pb.GenerateRequest(
+            request_id=request.request_id,
+            tokenized=pb.TokenizedInput(original_text=request.original_text, input_ids=request.input_ids),
+            sampling_params=params,
+            stream=request.stream,
+        )
+        if request.bootstrap is not None:
+            if kv_role == KV_PRODUCER:
+                message.sampling_params.max_tokens = (
+                    1  # the prefill side only fills the KV cache; decode generates
+                )
+            message.kv_transfer_params_json = json.dumps(
+                kv_transfer_params(request.bootstrap, kv_role), separators=(",", ":")
+            )
+        return message
+
+    async def _kv_role(self) -> str:
+        if self.kv_role is None:
+            try:
+                await self.server_info(timeout=5.0)
+            except Exception:
+                return ""  # unknown role: the worker is treated as a consumer, and asked again next time
+        return self.kv_role or ""
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+        kv_role = await self._kv_role() if request.bootstrap is not None else ""
+        call = self._stub.Generate(self.to_proto(request, kv_role), timeout=self._request_timeout)
+        stream = request.stream
+        want_logprobs = request.return_logprob
+        generated: dict[int, int] = {}  # running completion count per choice (chunks carry deltas)
+        try:
+            async for reply in call:
+                which = reply.WhichOneof("response")
+                if which == "chunk":
+                    c = reply.chunk
+                    total = generated.get(c.index, 0) + c.completion_tokens
+                    generated[c.index] = total
+                    yield EngineChunk(
+                        c.index,
+                        list(c.token_ids),
+                        c.prompt_tokens,
+                        total,
+                        c.cached_tokens,
+                        _logprobs(c.output_logprobs) if want_logprobs else None,
+                    )
+                elif which == "complete":
+                    c = reply.complete
+                    matched_stop = c.WhichOneof("matched_stop")
+                    yield EngineChunk(
+                        c.index,
+                        [] if stream else list(c.output_ids),
+                        c.prompt_tokens,
+                        max(generated.get(c.index, 0), c.completion_tokens),
+                        c.cached_tokens,
+                        None if stream or not want_logprobs else _logprobs(c.output_logprobs),
+                        True,
+                        c.finish_reason or "stop",
+                        c.matched_token_id if matched_stop == "matched_token_id" else None,
+                        c.matched_stop_str if matched_stop == "matched_stop_str" else None,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            raise translate_rpc_error(exc, self.url) from exc
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+__all__ = ["KV_PRODUCER", "VllmGrpcClient", "kv_transfer_params"]
