@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response, StreamingResponse
 
 from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
-from ..observability.logging import log_request
+from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState, RequestContext, new_request_id
 from ..pipeline.run import run_chat
 from .schemas.chat import ChatCompletionRequest
@@ -43,7 +43,9 @@ def new_context(request: Request, route: str, state: GatewayState) -> RequestCon
     request_id = request.headers.get("x-request-id") or new_request_id()
     request.state.request_id = request_id
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
-    return RequestContext(request_id=request_id, route=route, owner=owner, routing_key=routing_key)
+    return RequestContext(
+        request_id=request_id, route=route, owner=owner, routing_key=routing_key, metrics=state.metrics
+    )
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -67,7 +69,7 @@ async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIte
         async for piece in stream:
             yield piece
     finally:
-        log_request(ctx)
+        finish_request(ctx)
 
 
 def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> StreamingResponse:
@@ -83,7 +85,7 @@ async def run_logged(ctx: RequestContext, coro: Any) -> Any:
         return await coro
     except GatewayError as exc:
         ctx.status = exc.status_code
-        log_request(ctx)
+        finish_request(ctx)
         raise
 
 
@@ -97,7 +99,7 @@ async def chat_completions(request: Request) -> Response:
     chat_request = ChatCompletionRequest.model_validate(body)
     result = await run_logged(ctx, run_chat(state, chat_request, ctx))
     if isinstance(result, dict):
-        log_request(ctx)
+        finish_request(ctx)
         return json_response(result, ctx)
     return sse_response(result, ctx)
 

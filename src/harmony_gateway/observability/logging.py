@@ -54,6 +54,7 @@ def log_request(ctx: RequestContext) -> None:
         "route": ctx.route,
         "model": ctx.model,
         "worker": ctx.worker.url if ctx.worker is not None else None,
+        "worker_id": ctx.worker.id if ctx.worker is not None else None,
         "status": ctx.status,
         "prompt_tokens": ctx.prompt_tokens,
         "completion_tokens": ctx.completion_tokens,
@@ -61,13 +62,16 @@ def log_request(ctx: RequestContext) -> None:
         "latency_ms": round(latency_ms, 2),
         **ctx.log_extra,
     }
+    if ctx.prefill_worker is not None:
+        fields["prefill_worker"] = ctx.prefill_worker.url
     if ctx.first_token_at is not None:
         fields["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 2)
     request_log.info(
-        "%s %s model=%s status=%s tokens=%s/%s %.1fms",
+        "%s %s model=%s worker=%s status=%s tokens=%s/%s %.1fms",
         ctx.request_id,
         ctx.route,
         ctx.model,
+        fields["worker"],
         ctx.status,
         ctx.prompt_tokens,
         ctx.completion_tokens,

@@ -56,6 +56,13 @@ class RequestContext:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     log_extra: dict[str, Any] = field(default_factory=dict)
+    #: `GatewayMetrics` of the app (None: no metrics); `observability.metrics.finish_request` records.
+    metrics: Any = None
+    #: The Harmony output parsers of the request's choices, read once at the end for the Harmony
+    #: counters (messages per channel, parse errors); empty for non-Harmony models.
+    parsers: list[Any] = field(default_factory=list)
+    #: Set by `finish_request`, so a request is recorded and logged once.
+    finished: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -55,6 +55,8 @@ async def run_chat(
     completion_id = "chatcmpl-" + ctx.request_id
     created = int(time.time())
     choices = _choices(state, prepared, request.include_reasoning)
+    if prepared.harmony:
+        ctx.parsers = [choice.parser for choice in choices]  # read once, at the end, for metrics
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
     # 2) select, 3) build, 4) dispatch: the first chunk arrives before any response byte is sent

@@ -1,0 +1,76 @@
+"""Worker management and metrics endpoints: `GET/POST /workers`, `DELETE /workers/{id}`, `GET /metrics`.
+
+`POST /workers` registers a worker and probes it (model info, health) before answering, so the worker takes
+traffic as soon as the 201 arrives if it was healthy; an unreachable worker is still registered (healthy
+false) and the health checker keeps probing it. The worker endpoints require an API key when keys are
+configured; `/metrics` is open, for Prometheus.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ..errors import InvalidRequest
+from ..routing.workers import WorkerKind
+from .routes import gateway, json_body, json_response, owner_of
+
+router = APIRouter()
+
+_KINDS = ", ".join(k.value for k in WorkerKind)
+
+
+def _field(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequest(f"'{name}' must be a string", param=name)
+    return value
+
+
+@router.get("/workers")
+async def list_workers(request: Request) -> Response:
+    state = gateway(request)
+    owner_of(state, request)
+    return json_response({"object": "list", "data": [w.to_dict() for w in state.fleet.all_workers()]})
+
+
+@router.post("/workers")
+async def create_worker(request: Request) -> Response:
+    # app.py owns worker admission (probe, bootstrap port); imported here because app.py mounts this router.
+    from ..app import add_worker
+
+    state = gateway(request)
+    owner_of(state, request)
+    body = await json_body(request)
+    url = _field(body, "url")
+    if not url:
+        raise InvalidRequest("'url' is required, e.g. grpc://host:port", param="url")
+    kind_name = _field(body, "kind", WorkerKind.REGULAR.value)
+    try:
+        kind = WorkerKind(kind_name)
+    except ValueError:
+        raise InvalidRequest(
+            f"unknown worker kind {kind_name!r}; expected one of {_KINDS}", param="kind"
+        ) from None
+    engine = _field(body, "engine")
+    worker = await add_worker(state, url, kind, engine)
+    return json_response(worker.to_dict(), status=201)
+
+
+@router.delete("/workers/{worker_id}")
+async def delete_worker(worker_id: str, request: Request) -> Response:
+    state = gateway(request)
+    owner_of(state, request)
+    worker = await state.fleet.remove(worker_id)
+    return json_response({"id": worker.id, "object": "worker", "deleted": True})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = gateway(request)
+    if state.metrics is None:
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,199 @@
+"""Prometheus metrics: one `GatewayMetrics` per app, recorded once per request and rendered at `/metrics`.
+
+Nothing here runs per token. `finish_request(ctx)` is the single end-of-request hook: it records the
+request's counters and histograms from the `RequestContext` (inter-token latency is observed once, as
+(end - first token) / (tokens - 1)) and then writes the request log line. Worker health, in-flight counts
+and circuit-breaker state are read from the fleet at scrape time by `FleetCollector`, so requests never
+touch those gauges.
+
+Multi-process servers: when `PROMETHEUS_MULTIPROC_DIR` is set before the gateway starts, prometheus-client
+keeps counter and histogram values in files in that directory and `render()` merges every process's
+files (`MultiProcessCollector`); the fleet gauges then describe the process that answered the scrape.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from .logging import log_request
+
+if TYPE_CHECKING:
+    from ..pipeline.context import RequestContext
+    from ..routing.workers import Worker
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+#: `routing.workers.BreakerState` values, named here so observability imports nothing from routing.
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class FleetCollector:
+    """Worker gauges, collected from the fleet when Prometheus scrapes (never updated per request)."""
+
+    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+        self._workers = workers
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand; nothing to check for name clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "url", "kind", "model", "engine"]
+        healthy = GaugeMetricFamily(
+            "gateway_worker_healthy", "1 if the worker passes health checks", labels=labels
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_worker_in_flight", "Requests the gateway has in flight on the worker", labels=labels
+        )
+        breaker = GaugeMetricFamily(
+            "gateway_worker_circuit_breaker_state",
+            "1 for the worker's current circuit-breaker state (closed, open, half_open), else 0",
+            labels=["worker", "url", "state"],
+        )
+        for w in self._workers():
+            values = [w.id, w.url, w.kind.value, w.model_id, w.engine]
+            healthy.add_metric(values, 1.0 if w.healthy else 0.0)
+            in_flight.add_metric(values, float(w.in_flight))
+            current = w.breaker.value
+            for state in BREAKER_STATES:
+                breaker.add_metric([w.id, w.url, state], 1.0 if current == state else 0.0)
+        yield healthy
+        yield in_flight
+        yield breaker
+
+
+class GatewayMetrics:
+    """The gateway's metrics on a per-app `CollectorRegistry` (two apps in one process never collide)."""
+
+    def __init__(self, workers: Callable[[], Iterable[Worker]] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "gateway_requests_total",
+            "Requests by route, model and HTTP status",
+            ["route", "model", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "gateway_request_duration_seconds",
+            "End-to-end request latency, until the last byte",
+            ["route", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "From request arrival to the engine's first output",
+            ["route", "model"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gateway_inter_token_latency_seconds",
+            "Mean time between output tokens, one observation per request",
+            ["route", "model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "gateway_prompt_tokens_total", "Prompt tokens sent to engines", ["model"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "gateway_completion_tokens_total",
+            "Completion tokens received from engines",
+            ["model"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "gateway_retries_total",
+            "Engine requests retried on another worker before any output",
+            ["model"],
+            registry=r,
+        )
+        self.harmony_requests = Counter(
+            "harmony_requests_total", "Requests served by a Harmony model", registry=r
+        )
+        self.harmony_parsing_errors = Counter(
+            "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable", registry=r
+        )
+        self.harmony_channel_messages = Counter(
+            "harmony_channel_messages_total",
+            "Harmony messages parsed from model output, by channel",
+            ["channel"],
+            registry=r,
+        )
+        self._fleet = FleetCollector(workers) if workers is not None else None
+        if self._fleet is not None:
+            r.register(self._fleet)  # type: ignore[arg-type]
+        self._scrape_registry = r
+        if multiprocess_dir():
+            # Values live in per-process files; a fresh registry merges them at every scrape.
+            self._scrape_registry = CollectorRegistry()
+            MultiProcessCollector(self._scrape_registry)
+            if self._fleet is not None:
+                self._scrape_registry.register(self._fleet)  # type: ignore[arg-type]
+
+    def observe(self, ctx: RequestContext, now: float | None = None) -> None:
+        """Record one finished request (called once, from `finish_request`)."""
+        now = time.perf_counter() if now is None else now
+        model = ctx.model or "unknown"
+        route = ctx.route
+        self.requests.labels(route, model, str(ctx.status)).inc()
+        self.latency.labels(route, model).observe(now - ctx.started)
+        if ctx.prompt_tokens:
+            self.prompt_tokens.labels(model).inc(ctx.prompt_tokens)
+        if ctx.completion_tokens:
+            self.completion_tokens.labels(model).inc(ctx.completion_tokens)
+        first = ctx.first_token_at
+        if first is not None:
+            self.ttft.labels(route, model).observe(first - ctx.started)
+            if ctx.completion_tokens > 1:
+                self.itl.labels(route, model).observe((now - first) / (ctx.completion_tokens - 1))
+        if ctx.parsers:
+            self.harmony_requests.inc()
+            for channel, count in channel_counts(ctx.parsers).items():
+                self.harmony_channel_messages.labels(channel).inc(count)
+            errors = sum(1 for p in ctx.parsers if p.parse_error is not None)
+            if errors:
+                self.harmony_parsing_errors.inc(errors)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
+
+
+def channel_counts(parsers: Iterable[Any]) -> dict[str, int]:
+    """Messages per Harmony channel over the parsers' output ("none" for a message without a channel)."""
+    counts: dict[str, int] = {}
+    for parser in parsers:
+        for msg in parser.messages:
+            channel = msg.channel or "none"
+            counts[channel] = counts.get(channel, 0) + 1
+    return counts
+
+
+def finish_request(ctx: RequestContext) -> None:
+    """End of a request: record its metrics (when the app has metrics) and log its one line. Idempotent."""
+    if ctx.finished:
+        return
+    ctx.finished = True
+    if not ctx.completion_tokens and ctx.parsers:
+        # Streams without usage never computed the total; the parsers counted every token fed.
+        ctx.completion_tokens = sum(p.output_tokens for p in ctx.parsers)
+    if ctx.metrics is not None:
+        ctx.metrics.observe(ctx)
+    log_request(ctx)
+
+
+__all__ = ["FleetCollector", "GatewayMetrics", "channel_counts", "finish_request", "multiprocess_dir"]
