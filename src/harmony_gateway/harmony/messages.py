@@ -177,10 +177,14 @@ class PromptPrefix:
 
 
 def _freeze(value: Any) -> Any:
+    # Tagged so that distinct schemas never share a cache key: True == 1 == 1.0 as dict keys, yet harmony
+    # renders `default: true`, `default: 1` and `default: 1.0`; a dict and a list of pairs differ too.
     if isinstance(value, dict):
-        return tuple((k, _freeze(v)) for k, v in value.items())
+        return ("{", *((k, _freeze(v)) for k, v in value.items()))
     if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
+        return ("[", *(_freeze(v) for v in value))
+    if isinstance(value, bool | float):
+        return (type(value), value)
     return value
 
 
