@@ -237,3 +237,14 @@ def test_junk_prompts_get_a_plain_answer() -> None:
 def test_echo_reply_for_non_harmony_models() -> None:
     assert echo_reply([5, 2, 7, 9], eos_token_id=2) == [9, 7, 5, 2]
     assert len(echo_reply(list(range(100)), eos_token_id=2)) == 33
+
+
+def test_prompt_ending_inside_an_open_final_is_continued_with_answer_text_only() -> None:
+    prompt = render(user("Tell me more [[long]]"))
+    prompt += get_encoding().encode(
+        "<|channel|>analysis<|message|>Let me think<|end|><|start|>assistant<|channel|>final<|message|>",
+        allowed_special="all",
+    )
+    out = SCRIPT.reply(prompt)
+    assert out[-1] == RETURN
+    assert get_encoding().decode(out[:-1]) == 'You said: "Tell me more". This is a simulated answer.'

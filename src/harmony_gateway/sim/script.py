@@ -14,6 +14,9 @@
    the one mentioned first wins.
 3. Otherwise: an analysis message ("The user wrote N words. ...") and a final answer echoing the start of
    the user message (`You said: "...". This is a simulated answer.`), closed with `<|return|>`.
+4. A prompt that ends inside an open assistant `final` message (`...<|start|>assistant<|channel|>final<|message|>`,
+   as the gateway sends to continue after a reasoning budget) is continued: rule 3's answer text only, then
+   `<|return|>`, with no analysis or header.
 
 Triggers in the last user message exercise edge cases (`TRIGGERS`):
 `[[long]]` ~400-token analysis; `[[preamble]]` a recipient-less commentary message before the final;
@@ -100,6 +103,8 @@ class PromptSummary:
     tool_author: str = ""
     tool_output: str = ""
     tools: tuple[ToolSpec, ...] = ()
+    #: Channel of an assistant message the prompt leaves open (rule 4), else "".
+    open_channel: str = ""
 
     @property
     def triggers(self) -> frozenset[str]:
@@ -345,6 +350,7 @@ class HarmonyScript:
         last_role = ""
         tool_author = ""
         tool_output = ""
+        open_channel = ""
         for n, start in enumerate(starts):
             end = starts[n + 1] if n + 1 < len(starts) else len(ids)
             segment = ids[start + 1 : end]
@@ -354,9 +360,12 @@ class HarmonyScript:
                 continue  # a bare header, such as the trailing `<|start|>assistant`
             header = decode(segment[:split])
             content = segment[split + 1 :]
-            if content and content[-1] in _TERMINATORS:
+            terminated = bool(content) and content[-1] in _TERMINATORS
+            if terminated:
                 content = content[:-1]
             author = header.split("<|", 1)[0].split(" ", 1)[0].strip()
+            if author == "assistant" and n == len(starts) - 1 and not terminated and "<|channel|>" in header:
+                open_channel = header.split("<|channel|>", 1)[1].split("<|", 1)[0].split(" ", 1)[0].strip()
             if author in ("system", "developer"):
                 tools.extend(self._declared_tools(author == "system", content))
             elif author == "user":
@@ -366,7 +375,7 @@ class HarmonyScript:
                 last_role = "tool"
                 tool_author = author
                 tool_output = decode(content)
-        return PromptSummary(last_role, last_user, tool_author, tool_output, tuple(tools))
+        return PromptSummary(last_role, last_user, tool_author, tool_output, tuple(tools), open_channel)
 
     def _declared_tools(self, builtin: bool, content: list[int]) -> tuple[ToolSpec, ...]:
         key = (builtin, tuple(content))
@@ -386,6 +395,11 @@ class HarmonyScript:
         suffix = f" (choice {choice})" if choice else ""
         user = _clean_user_text(summary.user_text)
         draft = _Draft()
+        if summary.open_channel == "final":
+            answer = f'You said: "{user[:_ECHO_CHARS]}". This is a simulated answer.{suffix}'
+            draft.text(self._encode(answer), _FINAL_FILLER)
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
         if summary.last_role == "tool":
             output = " ".join(summary.tool_output.split())[:_TOOL_OUTPUT_QUOTE]
             self._analysis(
