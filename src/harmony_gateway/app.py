@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -93,6 +94,16 @@ async def _learn_bootstrap_port(state: GatewayState, worker: Worker) -> None:
             worker.bootstrap_port = int(port)
 
 
+async def _purge_expired(state: GatewayState) -> None:
+    """Apply --storage-retention: delete old stored responses, hourly-ish, off the request path."""
+    while True:
+        await anyio.sleep(min(3600.0, max(5.0, (state.settings.storage_retention or 3600.0) / 4)))
+        try:
+            await state.store.purge_expired(time.time())
+        except Exception as exc:  # storage trouble must not stop the gateway
+            log.warning("purging expired responses failed: %s", exc)
+
+
 async def _watch_workers(state: GatewayState, checker: HealthChecker) -> None:
     """Probe workers whose model is still unknown (unreachable at start-up); the checker does the rest."""
     while True:
@@ -108,7 +119,9 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
         gw = state or build_state(settings)
         app.state.gateway = gw
         storage_url = settings.storage_url or default_storage_url()
-        gw.store = open_store(storage_url)
+        gw.store = open_store(
+            storage_url, schema=settings.storage_schema, retention_seconds=settings.storage_retention
+        )
         await gw.store.start()
         log.info("storing responses in %s", storage_url.split("@")[-1])
         gw.background = BackgroundRunner(default_runner_id(settings.port))
@@ -128,6 +141,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             async with anyio.create_task_group() as tg:
                 tg.start_soon(checker.run)
                 tg.start_soon(_watch_workers, gw, checker)
+                if settings.storage_retention:
+                    tg.start_soon(_purge_expired, gw)
                 yield
                 tg.cancel_scope.cancel()
         finally:

@@ -99,6 +99,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         conversation_start_date=args.conversation_date,
         reasoning_fields=args.reasoning_fields,
         storage_url=args.storage,
+        storage_schema=args.storage_schema,
+        storage_retention=args.storage_retention,
         api_keys=_api_keys(args),
         log_level=args.log_level,
         log_json=args.log_json,
@@ -214,6 +216,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="memory://, sqlite:///path (default: a file in the user data dir) or postgresql://...",
+    )
+    p.add_argument("--storage-schema", default=None, help="PostgreSQL schema for the gateway's tables")
+    p.add_argument(
+        "--storage-retention", type=float, default=None, metavar="SECONDS", help="purge stored responses older than this"
     )
     p.add_argument(
         "--api-key",

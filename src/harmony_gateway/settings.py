@@ -54,6 +54,10 @@ class Settings:
     #: Which reasoning fields to emit: both (default), reasoning_content, or reasoning.
     reasoning_fields: str = "both"
     storage_url: str | None = None
+    #: PostgreSQL schema holding the tables (several deployments can share one database).
+    storage_schema: str | None = None
+    #: Stored responses older than this many seconds are purged (None keeps them).
+    storage_retention: float | None = None
     api_keys: frozenset[str] = frozenset()
     log_level: str = "info"
     log_json: bool = False

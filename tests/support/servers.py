@@ -42,6 +42,9 @@ def test_settings(**overrides: Any) -> Settings:
     return replace(base, **overrides)
 
 
+test_settings.__test__ = False  # type: ignore[attr-defined]  # a factory, not a test
+
+
 @contextlib.asynccontextmanager
 async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
     app = create_app(settings)
