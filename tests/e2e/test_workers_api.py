@@ -1,0 +1,93 @@
+"""The worker management API end to end: list, add (probed before traffic), remove, errors, auth."""
+
+from __future__ import annotations
+
+import httpx
+
+from harmony_gateway.sim import SimConfig
+from tests.conftest import MODEL
+from tests.e2e._fleet import chat, next_request_id, served_by, sims
+from tests.support.servers import running_gateway
+from tests.support.servers import test_settings as gateway_settings
+
+FAST = {"health_interval": 0.2, "health_timeout": 0.5}
+
+
+async def test_add_list_and_remove_workers() -> None:
+    async with sims(SimConfig(), SimConfig(), SimConfig(engine="vllm")) as engines:
+        first, second, third = engines
+        settings = gateway_settings(worker_urls=(first.url,), policy="round_robin", **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            listed = (await http.get("/workers")).json()["data"]
+            assert [(w["url"], w["kind"], w["model"], w["healthy"]) for w in listed] == [
+                (first.url, "regular", MODEL, True)
+            ]
+            r = await http.post("/workers", json={"url": second.url, "kind": "regular"})
+            assert r.status_code == 201, r.text
+            added = r.json()
+            # Probed before the answer: the model is known and the worker is healthy at once.
+            assert added["healthy"] is True and added["model"] == MODEL and added["engine"] == "sglang"
+            assert set(added) == {
+                "id",
+                "url",
+                "kind",
+                "engine",
+                "model",
+                "healthy",
+                "in_flight",
+                "circuit_breaker",
+            }
+            rids = [next_request_id("api") for _ in range(4)]
+            for rid in rids:
+                assert (await chat(http, request_id=rid)).status_code == 200
+            assert sorted(served_by(rid, engines)[0] for rid in rids) == [0, 0, 1, 1]
+
+            r = await http.post("/workers", json={"url": third.url})  # kind defaults to regular, engine auto
+            assert r.status_code == 201 and r.json()["engine"] == "vllm" and r.json()["healthy"] is True
+            assert len((await http.get("/workers")).json()["data"]) == 3
+
+            r = await http.delete(f"/workers/{added['id']}")
+            assert r.status_code == 200 and r.json()["deleted"] is True
+            assert (await http.delete(f"/workers/{added['id']}")).status_code == 404
+            before = len(second.requests)
+            for _ in range(4):
+                assert (await chat(http)).status_code == 200
+            assert len(second.requests) == before
+            assert [w["url"] for w in (await http.get("/workers")).json()["data"]] == [first.url, third.url]
+
+
+async def test_add_worker_errors_and_unreachable_worker() -> None:
+    async with sims(SimConfig()) as (engine,):
+        async with sims(SimConfig()) as (gone,):
+            dead_url = gone.url
+        settings = gateway_settings(worker_urls=(engine.url,), **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            r = await http.post("/workers", json={"url": engine.url, "kind": "regular"})
+            assert r.status_code == 409 and r.json()["error"]["param"] == "url"
+            r = await http.post("/workers", json={"url": "ftp://example.com:80"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "url"
+            r = await http.post("/workers", json={"url": "grpc://no-port"})
+            assert r.status_code == 400
+            r = await http.post("/workers", json={"url": engine.url, "kind": "mixed"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "kind"
+            r = await http.post("/workers", json={"kind": "regular"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "url"
+            r = await http.post("/workers", json={"url": dead_url, "engine": "trtllm"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "engine"
+            r = await http.post("/workers", json={"url": dead_url, "kind": "decode"})
+            assert r.status_code == 201 and r.json()["healthy"] is False and r.json()["kind"] == "decode"
+            assert len((await http.get("/workers")).json()["data"]) == 2
+            assert (await chat(http)).status_code == 200  # the unreachable worker takes no traffic
+
+
+async def test_worker_api_requires_a_key_when_keys_are_configured() -> None:
+    async with sims(SimConfig()) as (engine,):
+        settings = gateway_settings(worker_urls=(engine.url,), api_keys=frozenset({"sk-admin"}), **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            assert (await http.get("/workers")).status_code == 401
+            assert (await http.post("/workers", json={"url": engine.url})).status_code == 401
+            assert (await http.delete("/workers/w1")).status_code == 401
+            auth = {"authorization": "Bearer sk-admin"}
+            assert (await http.get("/workers", headers=auth)).status_code == 200
+            assert (await http.delete("/workers/nope", headers=auth)).status_code == 404
+            assert (await http.get("/metrics")).status_code == 200  # scrapes need no key

@@ -1,0 +1,58 @@
+"""GatewayMetrics without a server: per-request recording, multi-process mode, scrape-time fleet gauges."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from harmony_gateway.observability.metrics import GatewayMetrics, finish_request
+from harmony_gateway.pipeline.context import RequestContext
+
+
+def samples(metrics: GatewayMetrics) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render()[0].decode()):
+        for s in family.samples:
+            out[s.name + str(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_finish_request_records_once_with_one_itl_observation() -> None:
+    metrics = GatewayMetrics()
+    ctx = RequestContext(request_id="r", route="chat", model="m", metrics=metrics, started=100.0)
+    ctx.first_token_at = 100.5
+    ctx.completion_tokens = 11
+    ctx.prompt_tokens = 7
+    metrics.observe(ctx, now=101.5)
+    s = samples(metrics)
+    assert s["gateway_inter_token_latency_seconds_sum[('model', 'm'), ('route', 'chat')]"] == 0.1
+    assert s["gateway_time_to_first_token_seconds_sum[('model', 'm'), ('route', 'chat')]"] == 0.5
+    assert s["gateway_request_duration_seconds_sum[('model', 'm'), ('route', 'chat')]"] == 1.5
+    finish_request(ctx)
+    finish_request(ctx)  # idempotent: the second call records nothing
+    s = samples(metrics)
+    assert s["gateway_requests_total[('model', 'm'), ('route', 'chat'), ('status', '200')]"] == 2
+    assert s["gateway_prompt_tokens_total[('model', 'm')]"] == 14
+
+
+def test_multiprocess_mode_merges_process_files(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        from harmony_gateway.observability.metrics import GatewayMetrics
+        m = GatewayMetrics()
+        m.retries.labels(model="m").inc(3)
+        print(m.render()[0].decode())
+        """
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    for _ in range(2):  # two "processes" write their own files; each scrape sees both
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+        )
+    assert 'gateway_retries_total{model="m"} 6.0' in out.stdout
+    assert any(p.name.startswith("counter_") for p in tmp_path.iterdir())
