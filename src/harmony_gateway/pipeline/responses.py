@@ -24,6 +24,7 @@ from ..harmony.messages import (
     FunctionTool,
     Msg,
     PromptPrefix,
+    ToolNamespace,
     dedupe_function_tools,
     drop_old_analysis,
     parse_reasoning_effort,
@@ -65,18 +66,37 @@ class ResponsePlan:
     finish_reason: str | None = None
 
 
-def function_tools(tools: list[dict[str, Any]] | None) -> list[FunctionTool]:
+def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]:
+    """`namespace` tools: client-side functions grouped under a name; the model calls `NAMESPACE.TOOL`,
+    which Harmony renders natively as a tool namespace in the developer message."""
+    out = []
+    for i, tool in enumerate(tools or ()):
+        if tool.get("type") != "namespace":
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name or name == "functions":
+            raise InvalidRequest(
+                "namespace tools need a 'name' other than 'functions'", param=f"tools[{i}].name"
+            )
+        members = function_tools(tool.get("tools") or [], param=f"tools[{i}].tools")
+        out.append(ToolNamespace(name, tool.get("description") or "", tuple(members)))
+    return out
+
+
+def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") -> list[FunctionTool]:
     out = []
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
+        if kind == "namespace" and param == "tools":
+            continue
         if kind != "function":
             raise InvalidRequest(
                 f"tool type {kind!r} is not supported yet on this gateway; use function tools",
-                param=f"tools[{i}].type",
+                param=f"{param}[{i}].type",
             )
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidRequest("function tools need a 'name'", param=f"tools[{i}].name")
+            raise InvalidRequest("function tools need a 'name'", param=f"{param}[{i}].name")
         params = tool.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise InvalidRequest(
@@ -137,6 +157,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
     effort = parse_reasoning_effort(req.reasoning.effort if req.reasoning else None, param="reasoning.effort")
     tools = apply_tool_choice(function_tools(req.tools), req.tool_choice)
+    namespaces = client_namespaces(req.tools) if req.tool_choice != "none" else []
     items = normalize_items(req.input)
 
     # History: the previous_response_id chain, or the conversation's items.
@@ -175,7 +196,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     )
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
     full_history = drop_old_analysis(history + turn)
-    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
+    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), tuple(namespaces))
     input_ids = await render_harmony(state, prefix, full_history)
 
     sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
@@ -187,7 +208,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         sampling=sampling,
         selection_text=selection_text(full_history),
         stream=req.stream,
-        function_names=frozenset(t.name for t in tools),
+        function_names=frozenset(
+            [t.name for t in tools] + [f"{ns.name}.{t.name}" for ns in namespaces for t in ns.tools]
+        ),
         effort=effort,
         prefix=prefix,
         history=full_history,

@@ -141,9 +141,17 @@ def part_text(parts: Any) -> str:
     return "".join(pieces)
 
 
+def call_recipient(item: dict[str, Any]) -> str:
+    """The Harmony recipient of a function_call item: `functions.NAME`, or `NAMESPACE.NAME` for a tool of
+    a client-declared namespace."""
+    namespace = item.get("namespace")
+    return f"{namespace}.{item['name']}" if namespace else "functions." + item["name"]
+
+
 def call_names_of(items: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """call_id → the recipient the call went to (its tool result is authored by that name)."""
     return {
-        item["call_id"]: item["name"]
+        item["call_id"]: call_recipient(item)
         for item in items
         if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
     }
@@ -194,7 +202,7 @@ def items_to_messages(
             if texts:
                 messages.append(assistant("\n".join(texts), "analysis"))
         elif kind == "function_call":
-            messages.append(assistant_call("functions." + item["name"], item.get("arguments") or ""))
+            messages.append(assistant_call(call_recipient(item), item.get("arguments") or ""))
         elif kind == "function_call_output":
             name = call_names.get(item["call_id"])
             if name is None:
@@ -202,7 +210,7 @@ def items_to_messages(
                     f"No tool call found for function call output with call_id {item['call_id']!r}",
                     param=f"{where}.call_id",
                 )
-            messages.append(tool_result("functions." + name, part_text(item.get("output"))))
+            messages.append(tool_result(name, part_text(item.get("output"))))
         elif kind in ("mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
             if mcp_replay is not None:
                 messages.extend(mcp_replay(item))

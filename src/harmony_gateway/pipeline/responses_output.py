@@ -134,6 +134,9 @@ class ResponseBuilder:
                 "arguments": "",
                 "status": "in_progress",
             }
+            if msg.recipient and not msg.recipient.startswith("functions.") and "." in (msg.name or ""):
+                # A tool of a client-declared namespace: OpenAI reports it as name + namespace.
+                item["namespace"], item["name"] = msg.name.split(".", 1)  # type: ignore[union-attr]
             index = self.open_item(item)
         elif kind == tp.REASONING:
             item = {
