@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, NotFound
-from ..observability.logging import log_request
+from ..observability.metrics import finish_request
 from ..pipeline.responses import cancel_response, run_responses
 from ..pipeline.responses_input import new_id, normalize_items
 from ..storage.base import StoredConversation
@@ -57,7 +57,7 @@ async def create_response(request: Request) -> Response:
     req = ResponsesRequest.model_validate(body)
     result = await run_logged(ctx, run_responses(state, req, ctx))
     if isinstance(result, dict):
-        log_request(ctx)
+        finish_request(ctx)
         return json_response(result, ctx)
     return sse_response(result, ctx)
 
