@@ -15,6 +15,7 @@ from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
 from .parse_output import ChoiceOutput
 from .prepare import prepare_chat
+from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .respond import ChatStreamWriter, chat_completion_body, chat_usage
 
 
@@ -33,7 +34,9 @@ async def _open_stream(
     """Dispatch and wait for the first chunk, so failures before any output are real HTTP errors."""
     if not prepared.group.has_available_worker():
         raise NoHealthyWorker(f"no healthy worker serves model {prepared.group.name!r}")
-    chunks = dispatch(state, prepared, ctx, stream=stream)
+    if prepared.max_reasoning_tokens is not None:
+        stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
+    chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
     try:
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -74,6 +77,7 @@ async def run_chat(
         for choice in choices:
             choice.close()
         usage = chat_usage(choices, len(prepared.input_ids))
+        _note_budget(usage, prepared, ctx)
         ctx.completion_tokens = usage["completion_tokens"]
         return chat_completion_body(
             completion_id, created, group.name, choices, usage, state.settings.reasoning_fields
@@ -127,6 +131,7 @@ async def _stream_chat(
                     tail += writer.finish_chunk(choice.index, choice.finish_reason)
             if include_usage:
                 usage = chat_usage(choices, len(prepared.input_ids))
+                _note_budget(usage, prepared, ctx)
                 ctx.completion_tokens = usage["completion_tokens"]
                 tail += writer.usage_chunk(usage)
             yield head + tail + DONE
@@ -136,6 +141,12 @@ async def _stream_chat(
         except Exception as exc:  # a gateway bug must still end the stream cleanly
             ctx.status = 500
             yield chat_error_frame(exc)
+
+
+def _note_budget(usage: dict[str, Any], prepared: PreparedRequest, ctx: RequestContext) -> None:
+    """With a reasoning budget, usage says whether it cut the analysis (see pipeline/reasoning_budget.py)."""
+    if prepared.max_reasoning_tokens is not None:
+        usage["completion_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
 
 
 async def _chain(first: list[EngineChunk], rest: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
