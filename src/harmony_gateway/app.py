@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
+from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.responses import router as responses_router
 from .api.routes import router
@@ -155,4 +156,5 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(workers_router)
+    app.include_router(anthropic_router)
     return app

@@ -1,0 +1,64 @@
+"""Anthropic Messages API request schemas (Anthropic wire names).
+
+Unknown and beta fields (`metadata`, `context_management`, `cache_control`, `container`, `mcp_servers`, ...)
+are accepted and ignored, as Claude Code sends many of them. Content blocks stay plain dicts: the pipeline
+validates them one by one and names the offending block in the error's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class MessageParam(_Open):
+    #: "system" is the mid-conversation system message of the `mid-conversation-system` beta.
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolParam(_Open):
+    name: str = Field(min_length=1)
+    #: None or "custom" for client tools; Anthropic server tools carry a versioned type.
+    type: str | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoiceParam(_Open):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingParam(_Open):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+
+
+class OutputConfigParam(_Open):
+    effort: str | None = None
+
+
+class CountTokensRequest(_Open):
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoiceParam | None = None
+    thinking: ThinkingParam | None = None
+    output_config: OutputConfigParam | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)

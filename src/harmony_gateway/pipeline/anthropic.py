@@ -1,0 +1,688 @@
+"""Anthropic Messages API for Harmony models: a Messages request becomes the same Harmony conversation as a
+chat request, and the chat-level deltas of `ChoiceOutput` become Anthropic content blocks and stream events.
+
+Request mapping (REFERENCE §2, with Anthropic's names):
+
+| Anthropic | Harmony |
+|---|---|
+| `system` (string or text blocks), leading `role:"system"` messages | developer instructions |
+| later `role:"system"` messages (mid-conversation beta) | a developer message in place |
+| user `text` blocks | one user message (blocks joined with a newline) |
+| user `tool_result` | tool message authored `functions.NAME` (NAME from the matching `tool_use` id) |
+| assistant `thinking` | analysis message; `redacted_thinking` is skipped |
+| assistant `text` | final message, or a commentary preamble when the turn also calls tools |
+| assistant `tool_use` | commentary call `to=functions.NAME`, `<|constrain|>json`, compact JSON of `input` |
+| `tools[]` (`name`, `description`, `input_schema`) | function tools; server tools (a versioned `type`) are 400 |
+| `tool_choice` auto / any / tool / none | auto / required / the named function / tools hidden |
+
+Reasoning effort: `output_config.effort` when given; else `thinking.budget_tokens` below 4096 → low, below
+16384 → medium, else high (Claude Code's "think" / "think hard" / "ultrathink" budgets land on the three
+levels); else `adaptive` → medium; thinking disabled or absent → low. `budget_tokens` is also the reasoning
+budget (pipeline/reasoning_budget.py). Thinking blocks are returned only when thinking is enabled or
+adaptive: clients that did not ask for thinking often read `content[0].text`.
+
+Output: analysis → `thinking` blocks (with an opaque `signature`, never verified when sent back), final
+and preamble text → `text` blocks, function calls → `tool_use` blocks (`toolu_...`, `input` parsed from
+the arguments; arguments that are not a JSON object give `input: {}` and a warning in the log). A call's
+arguments are streamed as one `input_json_delta` when the call is complete, because the SDK parses every
+partial JSON prefix and would fail on invalid arguments.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..api.schemas.anthropic import CountTokensRequest, MessagesRequest
+from ..api.sse import event_frame
+from ..engines.base import EngineChunk
+from ..errors import GatewayError, InvalidRequest, ModelNotFound
+from ..harmony import token_parser as tp
+from ..harmony.encoding import ASSISTANT_STOP_IDS
+from ..harmony.messages import (
+    FunctionTool,
+    Msg,
+    PromptPrefix,
+    assistant,
+    assistant_call,
+    dedupe_function_tools,
+    developer_text,
+    drop_old_analysis,
+    parse_reasoning_effort,
+    tool_result,
+    user,
+)
+from ..routing.fleet import ModelGroup
+from .context import GatewayState, PreparedRequest, RequestContext
+from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
+from .prepare import (
+    apply_tool_choice,
+    render_harmony,
+    sampling_options,
+    selection_text,
+    system_options,
+    token_budget,
+)
+from .reasoning_budget import budget_exceeded
+from .run import _chain, _open_stream
+
+log = logging.getLogger(__name__)
+
+#: `thinking.budget_tokens` below the first bound → low, below the second → medium, else high.
+EFFORT_BOUNDS = (4096, 16384)
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_IMAGE_PLACEHOLDER = "[image omitted: this model reads text only]"
+_dumps = orjson.dumps
+
+
+# -- model lookup ---------------------------------------------------------------------------------
+def resolve_group(state: GatewayState, model: str) -> ModelGroup:
+    """The model group for a Messages request.
+
+    Order: `--model-alias NAME=MODEL`; a served model of that name; then, for a `claude-*` name, the only
+    served model when exactly one is served (Claude Code asks for its small/fast `claude-*` model in
+    background requests such as titles and command checks)."""
+    aliases = getattr(state.settings, "model_aliases", None) or {}
+    target = aliases.get(model, model)
+    try:
+        return state.fleet.group(target)
+    except ModelNotFound:
+        groups = list(state.fleet.groups.values())
+        if model.startswith("claude-") and len(groups) == 1:
+            return groups[0]
+        raise
+
+
+# -- request → Harmony -----------------------------------------------------------------------------
+def effort_for_budget(budget_tokens: int) -> str:
+    low, medium = EFFORT_BOUNDS
+    if budget_tokens < low:
+        return "low"
+    return "medium" if budget_tokens < medium else "high"
+
+
+def thinking_options(request: CountTokensRequest) -> tuple[str, bool, int | None]:
+    """(reasoning effort, whether thinking blocks are returned, reasoning budget)."""
+    thinking = request.thinking
+    kind = thinking.type if thinking is not None else "disabled"
+    budget = thinking.budget_tokens if thinking is not None and kind == "enabled" else None
+    if kind == "enabled" and budget is None:
+        raise InvalidRequest("thinking.budget_tokens is required when thinking is enabled", param="thinking")
+    effort_text = request.output_config.effort if request.output_config is not None else None
+    if effort_text:
+        effort = parse_reasoning_effort(effort_text, param="output_config.effort")
+    elif budget is not None:
+        effort = effort_for_budget(budget)
+    else:
+        effort = "medium" if kind == "adaptive" else "low"
+    return effort, kind != "disabled", budget
+
+
+def _text_blocks(content: str | list[dict[str, Any]] | None, *, param: str) -> str:
+    """Text of a string or a list of text blocks; any other block is 400 (gpt-oss reads text only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for j, block in enumerate(content):
+        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise InvalidRequest(
+                f"content block type {block.get('type')!r} is not supported here: expected text blocks",
+                param=f"{param}[{j}]",
+            )
+        pieces.append(block["text"])
+    return _join(pieces)
+
+
+def _join(pieces: Sequence[str]) -> str:
+    """Join text blocks, with a newline between two blocks unless the first already ends with one."""
+    out = ""
+    for piece in pieces:
+        if out and not out.endswith("\n"):
+            out += "\n"
+        out += piece
+    return out
+
+
+def _tool_result_text(content: Any, *, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest("tool_result content must be a string or a list of blocks", param=param)
+    pieces = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            pieces.append(block["text"])
+        elif kind == "image":
+            # Agents read image files through tools; failing the request would end their session.
+            pieces.append(_IMAGE_PLACEHOLDER)
+        else:
+            raise InvalidRequest(f"tool_result block type {kind!r} is not supported", param=f"{param}[{j}]")
+    return _join(pieces)
+
+
+def _arguments_json(value: Any) -> str:
+    # Compact, as gpt-oss writes arguments: the re-rendered history then matches the generated tokens.
+    return json.dumps(value if value is not None else {}, ensure_ascii=False, separators=(",", ":"))
+
+
+def anthropic_history(request: CountTokensRequest) -> tuple[str | None, list[Msg]]:
+    """Messages → (instructions, Harmony history), after the analysis drop rule (REFERENCE §2.5)."""
+    tool_names: dict[str, str] = {}
+    for message in request.messages:
+        if message.role == "assistant" and isinstance(message.content, list):
+            for block in message.content:
+                if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
+                    tool_names[block["id"]] = str(block.get("name") or "")
+
+    instructions: list[str] = []
+    system = _text_blocks(request.system, param="system")
+    if system:
+        instructions.append(system)
+    history: list[Msg] = []
+    leading = True
+    for i, message in enumerate(request.messages):
+        param = f"messages[{i}].content"
+        if message.role == "system":
+            text = _text_blocks(message.content, param=param)
+            if leading and text:
+                instructions.append(text)
+            elif text:
+                history.append(developer_text(text))
+            continue
+        leading = False
+        if message.role == "user":
+            _user_message(message.content, tool_names, history, param=param)
+        else:
+            _assistant_message(message.content, history, param=param)
+    return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def _user_message(
+    content: str | list[dict[str, Any]], tool_names: dict[str, str], history: list[Msg], *, param: str
+) -> None:
+    if isinstance(content, str):
+        history.append(user(content))
+        return
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                history.append(user(_join(texts)))
+                texts = []
+            name = tool_names.get(block.get("tool_use_id") or "")
+            if not name:
+                raise InvalidRequest(
+                    "tool_result refers to a tool_use id that no assistant message contains",
+                    param=f"{param}[{j}].tool_use_id",
+                )
+            text = _tool_result_text(block.get("content"), param=f"{param}[{j}].content")
+            history.append(tool_result("functions." + name, text))
+        elif kind in ("image", "document"):
+            raise InvalidRequest(
+                f"content block type {kind!r} is not supported: this model accepts text only",
+                param=f"{param}[{j}]",
+            )
+        else:
+            raise InvalidRequest(f"unsupported user content block type {kind!r}", param=f"{param}[{j}]")
+    if texts:
+        history.append(user(_join(texts)))
+
+
+def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], *, param: str) -> None:
+    if isinstance(content, str):
+        if content:
+            history.append(assistant(content, "final"))
+        return
+    analysis: list[Msg] = []
+    texts: list[str] = []
+    calls: list[Msg] = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "thinking":
+            if block.get("thinking"):
+                analysis.append(assistant(str(block["thinking"]), "analysis"))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "text" and isinstance(block.get("text"), str):
+            if block["text"]:
+                texts.append(block["text"])
+        elif kind == "tool_use":
+            name = block.get("name")
+            if not isinstance(name, str) or not name:
+                raise InvalidRequest("tool_use blocks need a name", param=f"{param}[{j}].name")
+            calls.append(assistant_call("functions." + name, _arguments_json(block.get("input"))))
+        else:
+            raise InvalidRequest(f"unsupported assistant content block type {kind!r}", param=f"{param}[{j}]")
+    # The order the model generates: analysis, preamble, calls (REFERENCE §2.3).
+    history.extend(analysis)
+    if texts:
+        history.append(assistant(_join(texts), "commentary" if calls else "final"))
+    history.extend(calls)
+
+
+def anthropic_tools(request: CountTokensRequest) -> list[FunctionTool]:
+    tools: list[FunctionTool] = []
+    for i, tool in enumerate(request.tools or []):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequest(
+                f"tool type {tool.type!r} is an Anthropic server tool, which this gateway cannot run; "
+                "declare a custom tool with input_schema",
+                param=f"tools[{i}].type",
+            )
+        tools.append(FunctionTool(tool.name, tool.description or "", tool.input_schema))
+    tools = dedupe_function_tools(tools)
+    choice = request.tool_choice
+    if choice is None:
+        return tools
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+        return apply_tool_choice(tools, {"type": "function", "name": choice.name}, param="tool_choice")
+    return apply_tool_choice(tools, _TOOL_CHOICES[choice.type], param="tool_choice")
+
+
+def stop_sequences(values: list[str] | None) -> tuple[str, ...]:
+    if not values:
+        return ()
+    if len(values) > 16:
+        raise InvalidRequest("at most 16 stop sequences are supported", param="stop_sequences")
+    if any(not value for value in values):
+        raise InvalidRequest("stop sequences must be non-empty strings", param="stop_sequences")
+    return tuple(values)
+
+
+@dataclass(slots=True)
+class MessagesPlan:
+    prepared: PreparedRequest
+    show_thinking: bool
+
+
+async def prepare_messages(
+    state: GatewayState, request: CountTokensRequest, group: ModelGroup
+) -> MessagesPlan:
+    """Validate and render a Messages (or count_tokens) request; raises InvalidRequest naming the field."""
+    if not group.harmony:
+        raise InvalidRequest(
+            f"the Messages API serves Harmony models; {group.name!r} is not one", param="model"
+        )
+    effort, show_thinking, budget = thinking_options(request)
+    tools = anthropic_tools(request)
+    instructions, history = anthropic_history(request)
+    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
+    input_ids = await render_harmony(state, prefix, history)
+    full = request if isinstance(request, MessagesRequest) else None
+    sampling = sampling_options(
+        group,
+        temperature=full.temperature if full else None,
+        top_p=full.top_p if full else None,
+        top_k=full.top_k if full else None,
+    )
+    sampling.max_new_tokens = token_budget(
+        group, len(input_ids), full.max_tokens if full else None, param="messages"
+    )
+    sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
+    prepared = PreparedRequest(
+        group=group,
+        input_ids=input_ids,
+        sampling=sampling,
+        selection_text=selection_text(history),
+        stream=bool(full and full.stream),
+        function_names=frozenset(t.name for t in tools),
+        stop_strings=stop_sequences(full.stop_sequences if full else None),
+        max_reasoning_tokens=budget,
+        effort=effort,
+        prefix=prefix,
+        history=history,
+        original_text="[harmony]",
+    )
+    return MessagesPlan(prepared, show_thinking)
+
+
+# -- output: deltas → content blocks -----------------------------------------------------------------
+def thinking_signature(text: str) -> str:
+    """An opaque signature the SDK accepts. Not a proof of origin: the gateway ignores it on input."""
+    digest = hashlib.sha256(text.encode()).digest()[:24]
+    return "hg1." + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def tool_use_id(call_id: str | None) -> str:
+    return "toolu_" + (call_id or tp.new_call_id())[5:]
+
+
+def parse_tool_input(arguments: str, name: str | None) -> tuple[dict[str, Any], bool]:
+    """(input, valid): the arguments as a JSON object, or `{}` when they are not one."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        value = None
+    if isinstance(value, dict):
+        return value, True
+    log.warning("tool call %s: arguments are not a JSON object; sent as input {}: %.200r", name, arguments)
+    return {}, False
+
+
+def _frame(event: str, payload: bytes) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
+
+
+_THINKING, _TEXT, _TOOL = "thinking", "text", "tool_use"
+
+
+class MessageBlocks:
+    """Builds content blocks from one choice's chat-level deltas; with `stream`, also the SSE events.
+
+    A block opens on the first delta of its kind and closes when another kind starts: a thinking block
+    closes with a `signature_delta`, a tool_use block with its whole arguments as one `input_json_delta`.
+    """
+
+    def __init__(self, *, stream: bool) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self._stream = stream
+        self._kind: str | None = None
+        self._parts: list[str] = []
+        self._tool: dict[str, Any] | None = None
+
+    def push(self, deltas: list[tuple[Any, ...]]) -> bytes:
+        out: list[bytes] = []
+        pending_kind: str | None = None
+        pending: list[str] = []
+        for delta in deltas:
+            kind = delta[0]
+            if kind == CONTENT or kind == REASONING_TEXT:
+                block = _TEXT if kind == CONTENT else _THINKING
+                text = delta[1]
+                if self._kind != block:
+                    self._flush(pending_kind, pending, out)
+                    pending_kind, pending = None, []
+                    self._close(out)
+                    if text.startswith("\n"):
+                        text = text[1:]  # the separator between two messages that now sit in two blocks
+                    if not text:
+                        continue
+                    self._open(block, out)
+                pending_kind = block
+                pending.append(text)
+                self._parts.append(text)
+            elif kind == TOOL_OPEN:
+                self._flush(pending_kind, pending, out)
+                pending_kind, pending = None, []
+                self._close(out)
+                self._tool = {"id": tool_use_id(delta[2]), "name": delta[3]}
+                self._open(_TOOL, out)
+            elif kind == TOOL_ARGS and self._kind == _TOOL:
+                self._parts.append(delta[2])
+        self._flush(pending_kind, pending, out)
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        out: list[bytes] = []
+        self._close(out)
+        return b"".join(out)
+
+    def _open(self, kind: str, out: list[bytes]) -> None:
+        self._kind = kind
+        self._parts = []
+        if not self._stream:
+            return
+        if kind == _THINKING:
+            start: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
+        elif kind == _TEXT:
+            start = {"type": "text", "text": ""}
+        else:
+            start = {"type": "tool_use", **(self._tool or {}), "input": {}}
+        payload = {"type": "content_block_start", "index": len(self.blocks), "content_block": start}
+        out.append(_frame("content_block_start", _dumps(payload)))
+
+    def _flush(self, kind: str | None, pieces: list[str], out: list[bytes]) -> None:
+        if not self._stream or kind is None or not pieces:
+            return
+        text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+        field = b'"thinking_delta","thinking":' if kind == _THINKING else b'"text_delta","text":'
+        out.append(
+            _frame(
+                "content_block_delta",
+                b'{"type":"content_block_delta","index":%d,"delta":{"type":' % len(self.blocks)
+                + field
+                + _dumps(text)
+                + b"}}",
+            )
+        )
+
+    def _close(self, out: list[bytes]) -> None:
+        kind = self._kind
+        if kind is None:
+            return
+        index = len(self.blocks)
+        text = "".join(self._parts)
+        stream = self._stream
+        if kind == _THINKING:
+            signature = thinking_signature(text)
+            self.blocks.append({"type": "thinking", "thinking": text, "signature": signature})
+            if stream:
+                delta = {"type": "signature_delta", "signature": signature}
+                payload = {"type": "content_block_delta", "index": index, "delta": delta}
+                out.append(_frame("content_block_delta", _dumps(payload)))
+        elif kind == _TEXT:
+            self.blocks.append({"type": "text", "text": text})
+        else:
+            tool = self._tool or {}
+            value, valid = parse_tool_input(text, tool.get("name"))
+            self.blocks.append({"type": "tool_use", **tool, "input": value})
+            if stream:
+                partial = text if valid and text.strip() else _dumps(value).decode()
+                delta = {"type": "input_json_delta", "partial_json": partial}
+                payload = {"type": "content_block_delta", "index": index, "delta": delta}
+                out.append(_frame("content_block_delta", _dumps(payload)))
+            self._tool = None
+        if stream:
+            out.append(_frame("content_block_stop", b'{"type":"content_block_stop","index":%d}' % index))
+        self._kind = None
+        self._parts = []
+
+
+def matched_stop_sequence(choice: ChoiceOutput, stops: tuple[str, ...]) -> str | None:
+    """The client stop sequence that ended the answer: the earliest in the answer text."""
+    text = "".join(m.text for m in choice.parser.messages if m.kind in (tp.ANSWER, tp.PREAMBLE))
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    return best[1] if best else None
+
+
+def stop_reason(choice: ChoiceOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
+    if choice.stop_hit:
+        return "stop_sequence", matched_stop_sequence(choice, stops)
+    if choice.engine_finish == "length":
+        return "max_tokens", None
+    if choice.tool_calls:
+        return "tool_use", None
+    return "end_turn", None
+
+
+def anthropic_usage(choice: ChoiceOutput, prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]:
+    """`input_tokens` excludes cache reads, as Anthropic counts: total input = input + cache read + creation."""
+    prompt = choice.prompt_tokens or len(prepared.input_ids)
+    cached = min(choice.cached_tokens, prompt)
+    details: dict[str, Any] = {"thinking_tokens": choice.parser.reasoning_tokens}
+    if prepared.max_reasoning_tokens is not None:
+        details["reasoning_budget_exceeded"] = budget_exceeded(ctx)
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": choice.completion_tokens or choice.parser.output_tokens,
+        "output_tokens_details": details,
+    }
+
+
+# -- running a request -----------------------------------------------------------------------------
+async def count_message_tokens(state: GatewayState, request: CountTokensRequest) -> dict[str, int]:
+    group = resolve_group(state, request.model)
+    plan = await prepare_messages(state, request, group)
+    return {"input_tokens": len(plan.prepared.input_ids)}
+
+
+async def run_messages(
+    state: GatewayState, request: MessagesRequest, ctx: RequestContext
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    """A Message body, or the SSE byte stream; raises GatewayError before any output."""
+    group = resolve_group(state, request.model)
+    ctx.model = group.name
+    plan = await prepare_messages(state, request, group)
+    prepared = plan.prepared
+    ctx.prompt_tokens = len(prepared.input_ids)
+    choice = ChoiceOutput(state, prepared, 0)
+    choice.include_reasoning = plan.show_thinking
+    ctx.parsers = [choice.parser]
+    # Streaming from the engine lets the gateway stop early on a client stop sequence.
+    engine_stream = request.stream or bool(prepared.stop_strings)
+    chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
+    message_id = "msg_" + ctx.request_id
+    if not request.stream:
+        blocks = MessageBlocks(stream=False)
+        async with contextlib.aclosing(chunks):
+            async for chunk in _chain([first] if first is not None else [], chunks):
+                blocks.push(choice.feed(chunk))
+                if choice.stop_hit:
+                    break  # leaving the loop aborts the engine request
+        blocks.push(choice.close())
+        blocks.close()
+        reason, sequence = stop_reason(choice, prepared.stop_strings)
+        usage = anthropic_usage(choice, prepared, ctx)
+        ctx.completion_tokens = usage["output_tokens"]
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": group.name,
+            "content": blocks.blocks,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage,
+        }
+    return _stream_message(message_id, group.name, prepared, ctx, choice, chunks, first)
+
+
+async def _stream_message(
+    message_id: str,
+    model: str,
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    choice: ChoiceOutput,
+    chunks: AsyncIterator[EngineChunk],
+    first: EngineChunk | None,
+) -> AsyncIterator[bytes]:
+    """Anthropic's event protocol; an error after the headers becomes an `error` event."""
+    blocks = MessageBlocks(stream=True)
+    async with contextlib.aclosing(chunks):
+        try:
+            prompt = (first.prompt_tokens if first is not None else 0) or len(prepared.input_ids)
+            cached = min(first.cached_tokens if first is not None else 0, prompt)
+            start = {
+                "type": "message_start",
+                "message": {
+                    "id": message_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [],
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": {
+                        "input_tokens": prompt - cached,
+                        "cache_creation_input_tokens": 0,
+                        "cache_read_input_tokens": cached,
+                        "output_tokens": 0,
+                    },
+                },
+            }
+            head = _frame("message_start", _dumps(start)) + _frame("ping", b'{"type":"ping"}')
+            async for chunk in _chain([first] if first is not None else [], chunks):
+                out = blocks.push(choice.feed(chunk))
+                if head:
+                    out, head = head + out, b""
+                if out:
+                    yield out
+                if choice.stop_hit:
+                    break  # leaving the loop aborts the engine request
+            tail = head + blocks.push(choice.close()) + blocks.close()
+            reason, sequence = stop_reason(choice, prepared.stop_strings)
+            usage = anthropic_usage(choice, prepared, ctx)
+            ctx.completion_tokens = usage["output_tokens"]
+            delta = {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage,
+            }
+            tail += _frame("message_delta", _dumps(delta)) + _frame(
+                "message_stop", b'{"type":"message_stop"}'
+            )
+            yield tail
+        except Exception as exc:  # a gateway bug must still end the stream with an error event
+            ctx.status = exc.status_code if isinstance(exc, GatewayError) else 500
+            yield error_event(exc)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+#: GatewayError status → (HTTP status, Anthropic error type). Anthropic answers 529 when overloaded.
+_ERROR_TYPES: dict[int, tuple[int, str]] = {
+    400: (400, "invalid_request_error"),
+    401: (401, "authentication_error"),
+    403: (403, "permission_error"),
+    404: (404, "not_found_error"),
+    409: (409, "invalid_request_error"),
+    413: (413, "request_too_large"),
+    429: (429, "rate_limit_error"),
+    503: (529, "overloaded_error"),
+    504: (504, "timeout_error"),
+}
+
+
+def anthropic_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The one mapping from an exception to Anthropic's `(status, {"type":"error","error":{type, message}})`."""
+    if isinstance(exc, GatewayError):
+        status, error_type = _ERROR_TYPES.get(exc.status_code, (exc.status_code, "api_error"))
+        if status < 400:
+            status = 500
+        message = exc.message if exc.param is None else f"{exc.message} (at {exc.param})"
+    else:
+        status, error_type, message = 500, "api_error", "internal error"
+    return status, {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_event(exc: BaseException) -> bytes:
+    if not isinstance(exc, GatewayError):
+        log.exception("unexpected error while streaming a message", exc_info=exc)
+    return event_frame("error", anthropic_error(exc)[1])
+
+
+__all__ = [
+    "EFFORT_BOUNDS",
+    "MessageBlocks",
+    "anthropic_error",
+    "anthropic_history",
+    "count_message_tokens",
+    "effort_for_budget",
+    "prepare_messages",
+    "resolve_group",
+    "run_messages",
+    "thinking_options",
+]
