@@ -15,12 +15,14 @@ refusals without `<|message|>` (harmony#80), bare recipients. Output that is not
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 
 from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamableParser, StreamState
 
 from ..errors import UpstreamBadOutput
-from .encoding import CALL, END, FIRST_SPECIAL_ID, MESSAGE, RETURN
+from .encoding import CALL, CHANNEL, CONSTRAIN, END, FIRST_SPECIAL_ID, MESSAGE, RETURN
+from .encoding import START as START_TOKEN
 
 # Message kinds.
 REASONING = 0  # analysis channel, or a call to a tool that is not enabled
@@ -47,6 +49,9 @@ _SPECIAL_TEXTS = (
     "<|endoftext|>",
     "<|startoftext|>",
 )
+_HEADER_SPECIALS = frozenset({START_TOKEN, CHANNEL, CONSTRAIN})
+_ROLE_WORD = re.compile(r"[^\s<]*")
+_HEADER_WORD = re.compile(r"\s*(\S+)")
 _STATE_CONTENT = StreamState.CONTENT
 _STATE_EXPECT_START = StreamState.EXPECT_START
 
@@ -68,6 +73,53 @@ def clean_recipient(recipient: str | None) -> str | None:
 
 def has_special_text(text: str) -> bool:
     return "<|" in text and any(marker in text for marker in _SPECIAL_TEXTS)
+
+
+def split_header_only(
+    header: str,
+) -> tuple[str | None, str | None, str | None, str | None, str]:
+    """(role, channel, recipient, content_type, text) of a message whose header ended without `<|message|>`.
+
+    `header` is the decoded header, starting with `<|start|>{role}` except for the first message of the
+    output (whose role is the assistant's, so `role` is None). After the channel name come optional
+    `to=RECIPIENT` and `<|constrain|>TYPE` words, then the text:
+
+        <|start|>assistant<|channel|>final I'm sorry.  ->  ("assistant", "final", None, None, "I'm sorry.")
+        Hello there                                    ->  (None, None, None, None, "Hello there")
+    """
+    role = None
+    rest = header.replace("<|constrain|>", " <|constrain|>")
+    if rest.startswith("<|start|>"):
+        match = _ROLE_WORD.match(rest, 9)
+        role, rest = match.group(0), rest[match.end() :]  # type: ignore[union-attr]
+    before, sep, after = rest.partition("<|channel|>")
+    if not sep:
+        if role is None:
+            return None, None, None, None, header  # no header at all: plain text
+        before, after = "", rest
+    recipient = None
+    for word in before.split():
+        if word.startswith("to="):
+            recipient = word[3:]
+    channel = None
+    if sep:
+        match = _HEADER_WORD.match(after)
+        if match is None:
+            return role, None, recipient, None, ""
+        channel, pos = match.group(1), match.end()
+    else:
+        pos = 0
+    content_type = None
+    while (match := _HEADER_WORD.match(after, pos)) is not None:
+        word = match.group(1)
+        if word.startswith("to=") and recipient is None:
+            recipient = word[3:]
+        elif word.startswith("<|constrain|>") and content_type is None:
+            content_type = word
+        else:
+            break
+        pos = match.end()
+    return role, channel, recipient, content_type, after[pos:].lstrip()
 
 
 class ParsedMessage:
@@ -127,12 +179,15 @@ class HarmonyOutputParser:
         tool_namespaces: frozenset[str] = frozenset(),
     ) -> None:
         self._parser = StreamableParser(encoding, Role.ASSISTANT, strict=False)
+        self._encoding = encoding
         self._functions = function_names
         self._namespaces = tool_namespaces
         self.messages: list[ParsedMessage] = []
         self._open: ParsedMessage | None = None
         self._in_content = False
         self._header_tokens = 0
+        #: Ids of the header being read: a header that ends without `<|message|>` is parsed from them.
+        self._header_ids: list[int] = []
         self._completed = 0
         self._halted = False
         self.calls = 0
@@ -231,6 +286,7 @@ class HarmonyOutputParser:
                         events.append((DELTA, msg, delta))  # type: ignore[arg-type]
                 else:
                     self._header_tokens += 1
+                    self._header_ids.append(token)
                 continue
             state = parser.state
             if state == _STATE_CONTENT:
@@ -250,33 +306,48 @@ class HarmonyOutputParser:
                     msg.content_type = parser.current_content_type
                     msg.tokens = self._header_tokens + 1
                     self._header_tokens = 0
+                    self._header_ids.clear()
                     self._in_content = True
                     self._start(msg, events)
                 continue
             if state == _STATE_EXPECT_START and token in (END, CALL, RETURN):
-                self._complete(token, events)
+                if self._open is None:
+                    self._complete_header_only(token, events)
+                else:
+                    self._complete(token, events)
             else:
                 self._header_tokens += 1
+                self._header_ids.append(token)
         return events
 
     def _complete(self, terminator: int | None, events: list[Event]) -> None:
+        # No special-text check here: a special id absorbed as text already halted in `feed`, so any `<|end|>`
+        # left in the text was written with ordinary tokens (the model quoting the format) and is real text.
         completed = self._parser.messages[-1]
         text = "".join(getattr(part, "text", "") for part in completed.content)
-        if has_special_text(text):
-            self._drop_open(events)
-            self._halt("control-token text inside a completed message")
-            return
-        if self._open is None:
-            # A header-only message (a refusal without <|message|>): its text arrives all at once.
-            role = completed.author.role
-            msg = self.classify(completed.channel, completed.recipient, role.value if role else None)
-            msg.content_type = completed.content_type
-            msg.tokens = self._header_tokens
-            self._header_tokens = 0
-            self._start(msg, events)
-        else:
-            self._open.tokens += 1
+        self._open.tokens += 1  # type: ignore[union-attr]
         self._in_content = False
+        self._close(text, terminator, events)
+
+    def _complete_header_only(self, terminator: int | None, events: list[Event]) -> None:
+        """A message whose header ended without `<|message|>` (a refusal, harmony#80): its text arrives all at
+        once. Parsed from our own header ids: openai-harmony 0.0.8 drops such a message when it is not the
+        first one, and puts recipient and content type into the text when it is."""
+        header = self._header_ids
+        junk = any(t >= FIRST_SPECIAL_ID and t not in _HEADER_SPECIALS for t in header)
+        role, channel, recipient, content_type, text = split_header_only(self._encoding.decode(header))
+        tokens = self._header_tokens + (terminator is not None)
+        self._header_tokens = 0
+        header.clear()
+        if junk or has_special_text(text):
+            self._halt("control-token text inside a message header")
+            return
+        if terminator is None and not text:
+            return  # a header cut by the end of output: nothing was said
+        msg = self.classify(channel, recipient, role)
+        msg.content_type = content_type
+        msg.tokens = tokens
+        self._start(msg, events)
         self._close(text, terminator, events)
 
     def _drop_open(self, events: list[Event]) -> None:
@@ -290,22 +361,21 @@ class HarmonyOutputParser:
         events: list[Event] = []
         if self._halted:
             return events
-        if self._parser.state == _STATE_EXPECT_START and self._open is None:
+        if self._open is None:
+            if self._header_ids:
+                # Output ended inside a header: a refusal whose stop token the engine stripped, or a
+                # header cut by length (not an error: the reply is simply empty).
+                self._complete_header_only(None, events)
             return events
-        emitted_before = self._open.text if self._open is not None else None
+        emitted_before = self._open.text
         try:
             self._parser.process_eos()
         except HarmonyError as exc:
             self._drop_open(events)
             self._halt(str(exc))
             return events
-        if self._open is not None:
-            self._in_content = False
-            self._close(emitted_before, None, events)
-        elif self._parser.state == _STATE_EXPECT_START and self._header_tokens:
-            self._complete(None, events)
-            if self.messages:
-                self.messages[-1].terminated = False
+        self._in_content = False
+        self._close(emitted_before, None, events)
         return events
 
     # -- results ---------------------------------------------------------------------------------
@@ -316,6 +386,11 @@ class HarmonyOutputParser:
     @property
     def halted(self) -> bool:
         return self._halted
+
+    @property
+    def in_message(self) -> bool:
+        """A message (or a header) is open: a stop token the engine stripped still has to close it."""
+        return self._open is not None or bool(self._header_ids)
 
 
 __all__ = [

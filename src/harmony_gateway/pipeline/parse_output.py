@@ -31,7 +31,7 @@ def parse_chunk(parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> list[tp.E
     events = parser.feed(chunk.token_ids) if chunk.token_ids else []
     if chunk.finished:
         stop_token = chunk.matched_stop_token
-        if stop_token in ASSISTANT_STOP_IDS and not parser.halted and parser.open_message is not None:
+        if stop_token in ASSISTANT_STOP_IDS and not parser.halted and parser.in_message:
             events += parser.feed([stop_token])
         events += parser.finish()
     return events
@@ -132,16 +132,7 @@ class ChoiceOutput:
         if chunk.finished:
             self.engine_finish = chunk.finish_reason
             self.matched_stop = chunk.matched_stop_token or chunk.matched_stop_str
-            stop_token = chunk.matched_stop_token
-            if (
-                stop_token in ASSISTANT_STOP_IDS
-                and not self.parser.halted
-                and self.parser.open_message is not None
-            ):
-                # The engine stripped the stop token: feed it so the last message closes properly.
-                events += self.parser.feed([stop_token])
-            events += self.parser.finish()
-            self.finished = True
+            self.finished = True  # parse_chunk has closed the output
         return self._translate(events) if events else []
 
     def close(self) -> list[tuple[Any, ...]]:
