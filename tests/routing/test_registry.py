@@ -34,6 +34,7 @@ def test_exported_members() -> None:
     modules = {
         "cache_aware",
         "consistent_hash",
+        "fleet",
         "health",
         "policy",
         "power_of_two",
