@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
+from .api.generate import router as generate_router
 from .api.responses import router as responses_router
 from .api.routes import router
 from .api.workers import router as workers_router
@@ -157,4 +158,5 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.include_router(responses_router)
     app.include_router(workers_router)
     app.include_router(anthropic_router)
+    app.include_router(generate_router)
     return app

@@ -1,0 +1,83 @@
+"""Request schemas of the raw-prompt routes: SGLang's native `/generate` (SGLang's field names) and OpenAI's
+legacy `/v1/completions`. Unknown fields are accepted and ignored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: SGLang's default for `max_new_tokens`; OpenAI's (and vLLM's) for completions `max_tokens`.
+SGLANG_MAX_NEW_TOKENS = 128
+COMPLETIONS_MAX_TOKENS = 16
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SglangSamplingParams(_Open):
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_new_tokens: int | None = Field(default=SGLANG_MAX_NEW_TOKENS, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    ignore_eos: bool = False
+    #: SGLang defaults to true; raw Harmony text is what RL and evaluation users need, so false here.
+    skip_special_tokens: bool = False
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    structural_tag: str | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(_Open):
+    #: Not an SGLang field: picks the model when the gateway serves several (else the only one).
+    model: str | None = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SglangSamplingParams = Field(default_factory=SglangSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    logprob_start_len: int = -1
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class CompletionRequest(_Open):
+    model: str
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    n: int = Field(default=1, ge=1, le=16)
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    suffix: str | None = None
+    ignore_eos: bool = False
+    #: vLLM extension; false keeps the raw Harmony text.
+    skip_special_tokens: bool = False
+    user: str | None = None
+    logit_bias: dict[str, Any] | None = None

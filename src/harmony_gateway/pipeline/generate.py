@@ -1,0 +1,712 @@
+"""Raw prompts in, raw output out: SGLang's native `/generate` and OpenAI's legacy `/v1/completions`.
+
+For a Harmony model no conversation is built: token ids pass through unchanged, a text prompt is encoded with
+the Harmony encoding as raw text (special-token text such as `<|start|>` becomes the special token), and the
+assistant stop ids {200002 `<|return|>`, 200012 `<|call|>`} are added to the request's `stop_token_ids`.
+Output text is the decoded output ids *including* special tokens (`<|channel|>analysis<|message|>...`) and a
+stop token the engine returned, so text and `output_ids` describe the same sequence; `skip_special_tokens`
+drops special tokens from the text. Client `stop` strings go to the engine as they are (they match all
+output, as these routes have no notion of answer text). Models that are not Harmony accept token ids only.
+
+Each prompt (and batch entry) is one engine request with `n` samples, dispatched with the chat stages
+(`_open_stream`, so failures before any output are HTTP errors), under its own request id
+`<id>-<prompt index>` when there are several prompts. Formats:
+
+- `/generate`: `{text, output_ids, meta_info: {id, prompt_tokens, completion_tokens, cached_tokens,
+  finish_reason: {type: "stop", matched} | {type: "length", length} | {type: "abort"} | null,
+  output_token_logprobs?: [[logprob, id, null]], output_top_logprobs?}}`; a list when there are several
+  prompts or samples (prompt-major). Streams send `data: {...}` with the cumulative `text`, `output_ids` and
+  logprobs of one sample (plus `index` when there are several), then `data: [DONE]`.
+- `/v1/completions`: `text_completion` objects; choice index = prompt index * n + sample; `echo` prepends
+  the prompt text; `logprobs` follows the legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
+  `text_offset`); echoed prompt tokens have null logprobs (prompt logprobs are not computed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import anyio
+import orjson
+
+from ..api.schemas.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
+from ..api.sse import DONE, chat_error_frame
+from ..engines.base import EngineChunk, SamplingOptions
+from ..errors import GatewayError, InvalidRequest
+from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
+from ..routing.fleet import ModelGroup
+from .context import GatewayState, PreparedRequest, RequestContext
+from .prepare import SELECTION_TEXT_CHARS, sampling_options, token_budget
+from .run import _chain, _open_stream
+
+_dumps = orjson.dumps
+_END = object()
+
+
+# -- text of token ids --------------------------------------------------------------------------------
+class TokenTextDecoder:
+    """Raw text of o200k/Harmony token ids, incrementally: ordinary tokens by their bytes (a UTF-8 sequence
+    split over tokens is held back until complete), special tokens by their names."""
+
+    __slots__ = ("_bytes_of", "_special", "_skip_special", "_utf8")
+
+    def __init__(self, state: GatewayState, *, skip_special_tokens: bool = False) -> None:
+        self._bytes_of = _token_bytes()
+        self._special = _special_text(state)
+        self._skip_special = skip_special_tokens
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        pieces = []
+        for token in token_ids:
+            if token >= FIRST_SPECIAL_ID:
+                pieces.append(self._utf8.decode(b"", final=True))
+                self._utf8.reset()
+                if not self._skip_special:
+                    pieces.append(self._special(token))
+            else:
+                pieces.append(self._utf8.decode(self._bytes_of(token)))
+        return "".join(pieces)
+
+    def flush(self) -> str:
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+    def token_text(self, token: int) -> str:
+        """One token on its own, for logprob entries (a partial UTF-8 sequence shows as U+FFFD)."""
+        if token >= FIRST_SPECIAL_ID:
+            return self._special(token)
+        return self._bytes_of(token).decode("utf-8", "replace")
+
+
+@functools.cache
+def _token_bytes() -> Callable[[int], bytes]:
+    import quicktok
+
+    return quicktok.get_encoding("o200k_base").decode_single_token_bytes  # type: ignore[no-any-return]
+
+
+def _special_text(state: GatewayState) -> Any:
+    cache: dict[int, str] = {}
+    decode = state.encoding.decode
+
+    def special(token: int) -> str:
+        text = cache.get(token)
+        if text is None:
+            try:
+                text = decode([token])
+            except Exception:  # an id outside the vocabulary: nothing to show
+                text = ""
+            cache[token] = text
+        return text
+
+    return special
+
+
+# -- preparing a raw prompt -----------------------------------------------------------------------------
+def _one_group(state: GatewayState, model: str | None) -> ModelGroup:
+    if model:
+        return state.fleet.group(model)
+    groups = list(state.fleet.groups.values())
+    if len(groups) == 1:
+        return groups[0]
+    if not groups:
+        return state.fleet.group("")  # raises: nothing is served (yet)
+    raise InvalidRequest("several models are served: name one in 'model'", param="model")
+
+
+def encode_prompt(
+    state: GatewayState, group: ModelGroup, prompt: str | list[int], *, param: str
+) -> list[int]:
+    if not isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequest("a token prompt must not be empty", param=param)
+        if any(t < 0 for t in prompt):
+            raise InvalidRequest("token ids must be non-negative", param=param)
+        return prompt
+    if not group.harmony:
+        raise InvalidRequest(
+            f"text prompts need the model's tokenizer; send token ids for {group.name!r}", param=param
+        )
+    if not prompt:
+        raise InvalidRequest("the prompt must not be empty", param=param)
+    return list(state.encoding.encode(prompt, allowed_special="all"))
+
+
+def raw_prepared(
+    state: GatewayState,
+    group: ModelGroup,
+    input_ids: list[int],
+    sampling: SamplingOptions,
+    *,
+    requested_tokens: int | None,
+    stream: bool,
+    return_logprob: bool,
+    top_logprobs: int,
+    original_text: str,
+    param: str,
+) -> PreparedRequest:
+    sampling.max_new_tokens = token_budget(group, len(input_ids), requested_tokens, param=param)
+    if group.harmony:
+        sampling.stop_token_ids = [
+            *sampling.stop_token_ids,
+            *(t for t in ASSISTANT_STOP_IDS if t not in sampling.stop_token_ids),
+        ]
+    return PreparedRequest(
+        group=group,
+        input_ids=input_ids,
+        sampling=sampling,
+        selection_text=original_text[:SELECTION_TEXT_CHARS],
+        stream=stream,
+        n=sampling.n,
+        harmony=group.harmony,
+        return_logprob=return_logprob,
+        top_logprobs=top_logprobs,
+        original_text=original_text,
+    )
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+# -- one sample's output ----------------------------------------------------------------------------------
+class RawSample:
+    """The output of one sample: ids, text, logprobs, finish and counts. Fed with engine chunks in order."""
+
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "decoder",
+        "finish_reason",
+        "finished",
+        "ids",
+        "logprobs",
+        "matched",
+        "prompt_tokens",
+        "text_parts",
+    )
+
+    def __init__(self, decoder: TokenTextDecoder) -> None:
+        self.decoder = decoder
+        self.ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.logprobs: list[Any] = []
+        self.finish_reason: str | None = None
+        self.matched: int | str | None = None
+        self.finished = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def feed(self, chunk: EngineChunk) -> str:
+        """Returns the new text."""
+        self.ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens:
+            self.completion_tokens = chunk.completion_tokens
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+        text = self.decoder.push(chunk.token_ids) if chunk.token_ids else ""
+        if chunk.finished:
+            self.finished = True
+            self.finish_reason = chunk.finish_reason or "stop"
+            self.matched = (
+                chunk.matched_stop_token if chunk.matched_stop_token is not None else chunk.matched_stop_str
+            )
+            text += self.decoder.flush()
+        if text:
+            self.text_parts.append(text)
+        return text
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens or len(self.ids)
+
+
+# -- dispatching several prompts ------------------------------------------------------------------------
+@dataclasses.dataclass(slots=True)
+class _Opened:
+    ctx: RequestContext
+    prepared: PreparedRequest
+    chunks: AsyncIterator[EngineChunk]
+
+
+def _child(ctx: RequestContext, index: int, count: int) -> RequestContext:
+    if count == 1:
+        return ctx
+    return dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{index}", log_extra={})
+
+
+async def _open_all(
+    state: GatewayState, ctx: RequestContext, prepared: list[PreparedRequest], *, stream: bool
+) -> list[_Opened]:
+    """Dispatch every prompt and wait for each first chunk; on any failure close what was opened."""
+    opened: list[_Opened | None] = [None] * len(prepared)
+
+    async def open_one(i: int) -> None:
+        child = _child(ctx, i, len(prepared))
+        chunks, first = await _open_stream(state, prepared[i], child, stream=stream)
+        opened[i] = _Opened(child, prepared[i], _chain([first] if first is not None else [], chunks))
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prepared)):
+                tg.start_soon(open_one, i)
+    except BaseException as exc:
+        for item in opened:
+            if item is not None:
+                await item.chunks.aclose()  # type: ignore[attr-defined]
+        if isinstance(exc, BaseExceptionGroup):
+            raise exc.exceptions[0] from None  # the first failure of any prompt fails the request
+        raise
+    return [item for item in opened if item is not None]
+
+
+async def _merged(opened: list[_Opened]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of every prompt as they arrive, tagged with the prompt index. Closing it closes (aborts) all."""
+    if len(opened) == 1:
+        async with contextlib.aclosing(opened[0].chunks):
+            async for chunk in opened[0].chunks:
+                yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
+
+    async def pump(i: int, chunks: AsyncIterator[EngineChunk]) -> None:
+        try:
+            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+                async for chunk in chunks:
+                    await queue.put((i, chunk))
+        except Exception as exc:
+            await queue.put((i, exc))
+            return
+        await queue.put((i, _END))
+
+    tasks = [asyncio.create_task(pump(i, item.chunks)) for i, item in enumerate(opened)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _finish_ctx(ctx: RequestContext, opened: list[_Opened], samples: list[list[RawSample]]) -> None:
+    ctx.prompt_tokens = sum(len(o.prepared.input_ids) for o in opened)
+    ctx.completion_tokens = sum(s.tokens for group in samples for s in group)
+    if opened and ctx.worker is None:
+        ctx.worker = opened[0].ctx.worker
+
+
+# -- /generate ------------------------------------------------------------------------------------------
+def _generate_prompts(request: GenerateRequest) -> tuple[list[str | list[int]], bool]:
+    """(prompts, batched)."""
+    if (request.text is None) == (request.input_ids is None):
+        raise InvalidRequest("send exactly one of 'text' and 'input_ids'", param="text")
+    if request.input_ids is not None:
+        ids = request.input_ids
+        if ids and isinstance(ids[0], list):
+            return list(ids), True  # type: ignore[arg-type]
+        return [ids], False  # type: ignore[list-item]
+    if isinstance(request.text, list):
+        return list(request.text), True
+    return [request.text or ""], False
+
+
+def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> SamplingOptions:
+    sampling = sampling_options(
+        group,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        seed=params.sampling_seed,
+        n=params.n,
+    )
+    sampling.min_new_tokens = params.min_new_tokens
+    sampling.stop = _stops(params.stop)
+    sampling.stop_token_ids = list(params.stop_token_ids or ())
+    sampling.ignore_eos = params.ignore_eos
+    sampling.no_stop_trim = params.no_stop_trim
+    sampling.json_schema = params.json_schema
+    sampling.regex = params.regex
+    sampling.structural_tag = params.structural_tag
+    return sampling
+
+
+def _finish_reason(sample: RawSample) -> dict[str, Any] | None:
+    if not sample.finished:
+        return None
+    if sample.finish_reason == "length":
+        return {"type": "length", "length": sample.tokens}
+    if sample.finish_reason == "abort":
+        return {"type": "abort"}
+    return {"type": "stop", "matched": sample.matched}
+
+
+def _generate_item(
+    sample: RawSample, rid: str, request: GenerateRequest, index: int | None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish_reason(sample),
+        "prompt_tokens": sample.prompt_tokens,
+        "completion_tokens": sample.tokens,
+        "cached_tokens": sample.cached_tokens,
+    }
+    if request.return_logprob:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, None] for lp in sample.logprobs]
+        if request.top_logprobs_num:
+            meta["output_top_logprobs"] = [[[v, t, None] for t, v in lp.top] for lp in sample.logprobs]
+    item: dict[str, Any] = {"text": sample.text, "output_ids": list(sample.ids), "meta_info": meta}
+    if index is not None:
+        item["index"] = index
+    return item
+
+
+async def run_generate(
+    state: GatewayState, request: GenerateRequest, ctx: RequestContext
+) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[bytes]:
+    group = _one_group(state, request.model)
+    ctx.model = group.name
+    prompts, batched = _generate_prompts(request)
+    if not prompts:
+        raise InvalidRequest(
+            "the batch is empty", param="input_ids" if request.input_ids is not None else "text"
+        )
+    params = request.sampling_params
+    prepared = []
+    for i, prompt in enumerate(prompts):
+        param = ("input_ids" if request.input_ids is not None else "text") + (f"[{i}]" if batched else "")
+        ids = encode_prompt(state, group, prompt, param=param)
+        prepared.append(
+            raw_prepared(
+                state,
+                group,
+                ids,
+                _sglang_sampling(group, params),
+                requested_tokens=params.max_new_tokens,
+                stream=request.stream,
+                return_logprob=request.return_logprob,
+                top_logprobs=request.top_logprobs_num,
+                original_text=prompt if isinstance(prompt, str) else "",
+                param=param,
+            )
+        )
+    n = params.n
+    samples = [
+        [RawSample(TokenTextDecoder(state, skip_special_tokens=params.skip_special_tokens)) for _ in range(n)]
+        for _ in prompts
+    ]
+    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    several = batched or n > 1
+    if not request.stream:
+        async with contextlib.aclosing(_merged(opened)) as merged:
+            async for i, chunk in merged:
+                samples[i][chunk.index].feed(chunk)
+        _finish_ctx(ctx, opened, samples)
+        items = [
+            _generate_item(samples[i][j], opened[i].ctx.request_id, request, None)
+            for i in range(len(prompts))
+            for j in range(n)
+        ]
+        return items if several else items[0]
+    return _stream_generate(ctx, opened, samples, request, several)
+
+
+async def _stream_generate(
+    ctx: RequestContext,
+    opened: list[_Opened],
+    samples: list[list[RawSample]],
+    request: GenerateRequest,
+    several: bool,
+) -> AsyncIterator[bytes]:
+    n = len(samples[0])
+    try:
+        async with contextlib.aclosing(_merged(opened)) as merged:
+            async for i, chunk in merged:
+                sample = samples[i][chunk.index]
+                sample.feed(chunk)
+                if chunk.token_ids or chunk.finished:
+                    index = i * n + chunk.index if several else None
+                    item = _generate_item(sample, opened[i].ctx.request_id, request, index)
+                    yield b"data: " + _dumps(item) + b"\n\n"
+        _finish_ctx(ctx, opened, samples)
+        yield DONE
+    except GatewayError as exc:
+        ctx.status = exc.status_code
+        yield chat_error_frame(exc)
+    except Exception as exc:  # a gateway bug must still end the stream cleanly
+        ctx.status = 500
+        yield chat_error_frame(exc)
+
+
+# -- /v1/completions ----------------------------------------------------------------------------------
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequest("the prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+class _LogprobBuilder:
+    """Legacy completions logprobs for one choice: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    __slots__ = ("decoder", "offset", "out")
+
+    def __init__(self, decoder: TokenTextDecoder) -> None:
+        self.decoder = decoder
+        self.offset = 0
+        self.out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+
+    def add_prompt(self, ids: Sequence[int]) -> dict[str, list[Any]]:
+        part: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for token in ids:
+            text = self.decoder.token_text(token)
+            self._append(part, text, None, None)
+        return part
+
+    def add(self, logprobs: Sequence[Any]) -> dict[str, list[Any]]:
+        part: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for lp in logprobs:
+            top = {self.decoder.token_text(t): v for t, v in lp.top} if lp.top else {}
+            self._append(part, self.decoder.token_text(lp.token_id), lp.logprob, top)
+        return part
+
+    def _append(self, part: dict[str, list[Any]], text: str, logprob: float | None, top: Any) -> None:
+        for target in (part, self.out):
+            target["tokens"].append(text)
+            target["token_logprobs"].append(logprob)
+            target["top_logprobs"].append(top)
+            target["text_offset"].append(self.offset)
+        self.offset += len(text)
+
+
+def _completion_finish(sample: RawSample) -> str:
+    return "length" if sample.finish_reason == "length" else "stop"
+
+
+async def run_completions(
+    state: GatewayState, request: CompletionRequest, ctx: RequestContext
+) -> dict[str, Any] | AsyncIterator[bytes]:
+    group = state.fleet.group(request.model)
+    ctx.model = group.name
+    if request.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
+    prompts = _completion_prompts(request.prompt)
+    n = request.n
+    logprobs = request.logprobs
+    prepared, prompt_ids = [], []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        ids = encode_prompt(state, group, prompt, param=param)
+        prompt_ids.append(ids)
+        sampling = sampling_options(
+            group,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            seed=request.seed,
+            n=n,
+        )
+        sampling.stop = _stops(request.stop)
+        sampling.stop_token_ids = list(request.stop_token_ids or ())
+        sampling.ignore_eos = request.ignore_eos
+        prepared.append(
+            raw_prepared(
+                state,
+                group,
+                ids,
+                sampling,
+                requested_tokens=request.max_tokens,
+                stream=request.stream,
+                return_logprob=logprobs is not None,
+                top_logprobs=logprobs or 0,
+                original_text=prompt if isinstance(prompt, str) else "",
+                param=param,
+            )
+        )
+    skip = request.skip_special_tokens
+    samples = [
+        [RawSample(TokenTextDecoder(state, skip_special_tokens=skip)) for _ in range(n)] for _ in prompts
+    ]
+    echoes = [
+        TokenTextDecoder(state, skip_special_tokens=skip).push(ids) if request.echo else ""
+        for ids in prompt_ids
+    ]
+    builders = [
+        [_LogprobBuilder(TokenTextDecoder(state, skip_special_tokens=skip)) for _ in range(n)]
+        for _ in prompts
+    ]
+    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    completion_id = "cmpl-" + ctx.request_id
+    created = int(time.time())
+    if not request.stream:
+        async with contextlib.aclosing(_merged(opened)) as merged:
+            async for i, chunk in merged:
+                samples[i][chunk.index].feed(chunk)
+        _finish_ctx(ctx, opened, samples)
+        choices = []
+        for i in range(len(prompts)):
+            for j in range(n):
+                sample = samples[i][j]
+                choice_logprobs = None
+                if logprobs is not None:
+                    builder = builders[i][j]
+                    if request.echo:
+                        builder.add_prompt(prompt_ids[i])
+                    builder.add(sample.logprobs)
+                    choice_logprobs = builder.out
+                choices.append(
+                    {
+                        "index": i * n + j,
+                        "text": echoes[i] + sample.text,
+                        "logprobs": choice_logprobs,
+                        "finish_reason": _completion_finish(sample),
+                    }
+                )
+        return {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": group.name,
+            "choices": choices,
+            "usage": _completion_usage(opened, samples),
+        }
+    head = {"id": completion_id, "object": "text_completion", "created": created, "model": group.name}
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return _stream_completions(
+        ctx, opened, samples, builders, echoes, prompt_ids, head, logprobs is not None, include_usage
+    )
+
+
+def _completion_usage(opened: list[_Opened], samples: list[list[RawSample]]) -> dict[str, Any]:
+    prompt = sum(
+        (group[0].prompt_tokens or len(o.prepared.input_ids))
+        for o, group in zip(opened, samples, strict=True)
+    )
+    completion = sum(s.tokens for group in samples for s in group)
+    cached = sum(max(s.cached_tokens for s in group) for group in samples)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def _stream_completions(
+    ctx: RequestContext,
+    opened: list[_Opened],
+    samples: list[list[RawSample]],
+    builders: list[list[_LogprobBuilder]],
+    echoes: list[str],
+    prompt_ids: list[list[int]],
+    head: dict[str, Any],
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    n = len(samples[0])
+    prefix = b"data: " + _dumps(head)[:-1] + b',"choices":['
+    tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+
+    def frame(index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return prefix + _dumps(choice) + tail
+
+    try:
+        out = b""
+        echoed = [[False] * n for _ in samples]
+        async with contextlib.aclosing(_merged(opened)) as merged:
+            async for i, chunk in merged:
+                j = chunk.index
+                sample = samples[i][j]
+                text = sample.feed(chunk)
+                logprobs = None
+                if not echoed[i][j]:
+                    echoed[i][j] = True
+                    if echoes[i]:
+                        part = builders[i][j].add_prompt(prompt_ids[i]) if want_logprobs else None
+                        out += frame(i * n + j, echoes[i], part, None)
+                if want_logprobs:
+                    logprobs = builders[i][j].add(chunk.logprobs or [])
+                if text or (logprobs and logprobs["tokens"]):
+                    out += frame(i * n + j, text, logprobs, None)
+                if chunk.finished:
+                    out += frame(i * n + j, "", None, _completion_finish(sample))
+                if out:
+                    yield out
+                    out = b""
+        _finish_ctx(ctx, opened, samples)
+        if include_usage:
+            usage = _completion_usage(opened, samples)
+            out += b"data: " + _dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+        yield out + DONE
+    except GatewayError as exc:
+        ctx.status = exc.status_code
+        yield chat_error_frame(exc)
+    except Exception as exc:  # a gateway bug must still end the stream cleanly
+        ctx.status = 500
+        yield chat_error_frame(exc)
+
+
+__all__ = [
+    "RawSample",
+    "TokenTextDecoder",
+    "encode_prompt",
+    "raw_prepared",
+    "run_completions",
+    "run_generate",
+]
