@@ -113,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tokenizer_paths=_pairs(args.tokenizer, "--tokenizer"),
         reasoning_parsers=_pairs(args.reasoning_parser, "--reasoning-parser"),
         tool_call_parsers=_pairs(args.tool_call_parser, "--tool-call-parser"),
+        text_parsers=_pairs(args.text_parser, "--text-parser"),
     )
 
 
@@ -123,7 +124,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--worker-url",
         action="append",
         metavar="URL",
-        help="engine worker, e.g. grpc://host:port (repeatable)",
+        help="engine worker: grpc://host:port, or http://host:port for an OpenAI-compatible server (repeatable)",
     )
     p.add_argument(
         "--prefill", action="append", metavar="URL", help="prefill worker for PD disaggregation (repeatable)"
@@ -261,6 +262,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="MODEL=NAME",
         help="tool-call parser for a non-Harmony model (json)",
+    )
+    p.add_argument(
+        "--text-parser",
+        action="append",
+        metavar="MODEL=KIND",
+        help="text output parser for a model behind an HTTP upstream: harmony, think, marker, "
+        "passthrough or off (docs/models.md)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line")

@@ -58,6 +58,9 @@ class GenerateRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     bootstrap: BootstrapInfo | None = None
+    #: Text-mode upstreams (HTTP): the OpenAI request bodies to forward, keyed by API
+    #: ("completions", "chat"); gRPC engines ignore it and use `input_ids`.
+    upstream_body: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -81,6 +84,11 @@ class EngineChunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop_token: int | None = None
     matched_stop_str: str | None = None
+    #: Text-mode upstreams (HTTP) have no token ids: the new output text of the choice.
+    text: str | None = None
+    #: Text-mode upstreams: fields the upstream parsed itself (`reasoning`, `tool_calls` as
+    #: OpenAI stream deltas, `logprobs` entries, `reasoning_tokens`), passed on unchanged.
+    upstream_delta: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

@@ -74,6 +74,14 @@ class DetectingGrpcClient:
     async def health(self, timeout: float) -> bool:
         return await (await self.resolve(timeout)).health(timeout)
 
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        inner = await self.resolve(timeout)
+        fetch = getattr(inner, "get_tokenizer", None)
+        if fetch is None:
+            raise UpstreamError(f"the {inner.engine} engine at {self.url} cannot send its tokenizer")
+        data: bytes = await fetch(timeout=timeout)
+        return data
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
         if self._inner is None:
             # Unreachable in practice: a worker takes traffic only after a probe, which detects.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import InvalidRequest
 from .base import EngineClient
 from .detect import DetectingGrpcClient
+from .http_upstream import HttpUpstreamClient
 from .sglang_grpc import SglangGrpcClient
 from .vllm_grpc import VllmGrpcClient
 
@@ -16,7 +17,8 @@ GRPC_ENGINES: dict[str, type[EngineClient]] = {
 
 
 def create_client(url: str, engine: str = "auto", *, request_timeout: float = 1800.0) -> EngineClient:
-    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: sglang, vllm, or auto).
+    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: sglang, vllm, or auto);
+    `http(s)://host:port[?model=NAME&api=chat|completions]` an OpenAI-compatible HTTP server.
 
     `auto` decides on the worker's first probe: SGLang unless its HealthCheck is UNIMPLEMENTED, then vLLM.
     Raises InvalidRequest for an unknown engine or URL scheme; connects lazily (no I/O here).
@@ -31,4 +33,9 @@ def create_client(url: str, engine: str = "auto", *, request_timeout: float = 18
                 f"unknown engine {engine!r}; expected one of {', '.join(GRPC_ENGINES)}", param="engine"
             )
         return cls(url, request_timeout=request_timeout)  # type: ignore[call-arg]
-    raise InvalidRequest(f"unsupported worker URL {url!r}: use grpc://host:port", param="url")
+    if url.startswith(("http://", "https://")):
+        # An OpenAI-compatible server, in text mode (engines/http_upstream.py); `engine` does not apply.
+        return HttpUpstreamClient(url, request_timeout=request_timeout)
+    raise InvalidRequest(
+        f"unsupported worker URL {url!r}: use grpc://host:port or http://host:port", param="url"
+    )

@@ -7,14 +7,17 @@ contributes only the finish reason, counts and matched stop.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
+from ..errors import UpstreamError
 from .base import EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
@@ -78,6 +81,22 @@ class SglangGrpcClient:
         with map_grpc_errors(self.url):
             info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
         return json_format.MessageToDict(info.server_args) if info.HasField("server_args") else {}
+
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        """The engine's tokenizer files as zip bytes (GetTokenizer streams them in chunks; the last
+        carries the SHA-256). Raises UpstreamError on a digest mismatch or an empty answer."""
+        parts: list[bytes] = []
+        digest = ""
+        with map_grpc_errors(self.url):
+            async for chunk in self._stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout):
+                parts.append(chunk.data)
+                digest = chunk.sha256 or digest
+        data = b"".join(parts)
+        if not data:
+            raise UpstreamError(f"engine at {self.url} sent an empty tokenizer")
+        if digest and hashlib.sha256(data).hexdigest() != digest.lower():
+            raise UpstreamError(f"the tokenizer sent by {self.url} does not match its SHA-256")
+        return data
 
     async def health(self, timeout: float) -> bool:
         with map_grpc_errors(self.url):

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 #: `routing.workers.BreakerState` values, named here so observability imports nothing from routing.
 BREAKER_STATES = ("closed", "open", "half_open")
@@ -133,6 +134,29 @@ class GatewayMetrics:
             ["channel"],
             registry=r,
         )
+        # Text-level channel parser (HTTP upstreams, non-Harmony models), fed from `ParserStats`.
+        self.harmony_channel_unexpected_order = Counter(
+            "harmony_channel_unexpected_order_total",
+            "Analysis/commentary messages parsed from text after a final answer",
+            registry=r,
+        )
+        self.harmony_channel_parse_errors = Counter(
+            "harmony_channel_parse_errors_total",
+            "Malformed spans in text output (dropped markers, salvaged headers, bad tool-call blocks)",
+            registry=r,
+        )
+        self.harmony_marker_fallback = Counter(
+            "harmony_marker_fallback_total",
+            "Text outputs without Harmony markers that fell back to a marker or to pass-through",
+            ["fallback"],
+            registry=r,
+        )
+        self.harmony_reasoning_answer_ratio = Histogram(
+            "harmony_reasoning_answer_ratio",
+            "Reasoning characters per answer character, one observation per choice with an answer",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
         self._fleet = FleetCollector(workers) if workers is not None else None
         if self._fleet is not None:
             r.register(self._fleet)  # type: ignore[arg-type]
@@ -167,6 +191,24 @@ class GatewayMetrics:
             errors = sum(1 for p in ctx.parsers if p.parse_error is not None)
             if errors:
                 self.harmony_parsing_errors.inc(errors)
+        if ctx.text_stats:
+            self.observe_text_stats(ctx.text_stats)
+
+    def observe_text_stats(self, stats: Iterable[Any]) -> None:
+        """Record the `ParserStats` of one request's text-level output parsers."""
+        for st in stats:
+            for channel, count in st.channel_messages.items():
+                self.harmony_channel_messages.labels(channel).inc(count)
+            if st.unexpected_order:
+                self.harmony_channel_unexpected_order.inc(st.unexpected_order)
+            if st.parse_errors:
+                self.harmony_channel_parse_errors.inc(st.parse_errors)
+            if st.marker_fallbacks:
+                self.harmony_marker_fallback.labels("marker").inc(st.marker_fallbacks)
+            if st.passthrough_fallbacks:
+                self.harmony_marker_fallback.labels("passthrough").inc(st.passthrough_fallbacks)
+            if st.content_chars:
+                self.harmony_reasoning_answer_ratio.observe(st.reasoning_chars / st.content_chars)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

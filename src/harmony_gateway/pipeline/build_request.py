@@ -33,4 +33,5 @@ def build_generate_request(
         return_logprob=prepared.return_logprob,
         top_logprobs_num=prepared.top_logprobs,
         bootstrap=bootstrap,
+        upstream_body=prepared.upstream_body,
     )

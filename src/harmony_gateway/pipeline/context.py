@@ -61,6 +61,9 @@ class RequestContext:
     #: The Harmony output parsers of the request's choices, read once at the end for the Harmony
     #: counters (messages per channel, parse errors); empty for non-Harmony models.
     parsers: list[Any] = field(default_factory=list)
+    #: `ParserStats` of text-level output parsers (HTTP upstreams, non-Harmony models), read once at
+    #: the end for the channel-parser metrics.
+    text_stats: list[Any] = field(default_factory=list)
     #: Set by `finish_request`, so a request is recorded and logged once.
     finished: bool = False
 
@@ -87,5 +90,8 @@ class PreparedRequest:
     #: Harmony prompt pieces, kept for continuations (reasoning budget, tool loops).
     prefix: PromptPrefix | None = None
     history: list[Msg] = field(default_factory=list)
-    #: For non-Harmony models: the output post-processors chosen for the model.
+    #: Output that is text, not Harmony tokens (non-Harmony models, HTTP upstreams): the
+    #: `text_output.OutputSpec` that `run.py` hands to `TextChoiceOutput`.
     output_adapter: Any = None
+    #: Text-mode (HTTP) upstreams: the OpenAI request bodies to forward, by API.
+    upstream_body: dict[str, dict[str, Any]] | None = None

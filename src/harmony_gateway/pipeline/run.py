@@ -17,12 +17,16 @@ from .parse_output import ChoiceOutput
 from .prepare import prepare_chat
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .respond import ChatStreamWriter, chat_completion_body, chat_usage
+from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
+from .text_upstream import attach_harmony_upstream, is_text_group
 
 
 def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: bool) -> list[ChoiceOutput]:
+    # Harmony token ids → ChoiceOutput; text (non-Harmony models, HTTP upstreams) → TextChoiceOutput.
+    cls: Any = ChoiceOutput if prepared.output_adapter is None else TextChoiceOutput
     choices = []
     for i in range(prepared.n):
-        choice = ChoiceOutput(state, prepared, i)
+        choice = cls(state, prepared, i)
         choice.include_reasoning = include_reasoning
         choices.append(choice)
     return choices
@@ -54,11 +58,15 @@ async def run_chat(
     group = state.fleet.group(request.model)
     ctx.model = group.name
     prepared = await prepare_chat(state, request, group)
+    if prepared.harmony and is_text_group(group):
+        attach_harmony_upstream(state, prepared, request)  # an HTTP upstream: Harmony as text
     ctx.prompt_tokens = len(prepared.input_ids)
     completion_id = "chatcmpl-" + ctx.request_id
     created = int(time.time())
     choices = _choices(state, prepared, request.include_reasoning)
-    if prepared.harmony:
+    if prepared.output_adapter is not None:
+        ctx.text_stats = text_parser_stats(choices)  # read once, at the end, for metrics
+    elif prepared.harmony:
         ctx.parsers = [choice.parser for choice in choices]  # read once, at the end, for metrics
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
@@ -79,11 +87,16 @@ async def run_chat(
         usage = chat_usage(choices, len(prepared.input_ids))
         _note_budget(usage, prepared, ctx)
         ctx.completion_tokens = usage["completion_tokens"]
-        return chat_completion_body(
+        body = chat_completion_body(
             completion_id, created, group.name, choices, usage, state.settings.reasoning_fields
         )
+        if prepared.return_logprob:
+            add_logprobs(body, choices)
+        return body
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    writer = ChatStreamWriter(
+    writer_args: tuple[Any, ...] = (choices,) if prepared.return_logprob else ()
+    writer = (LogprobChatStreamWriter if prepared.return_logprob else ChatStreamWriter)(
+        *writer_args,
         completion_id,
         created,
         group.name,

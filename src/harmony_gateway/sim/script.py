@@ -27,7 +27,9 @@ messages, the first closed with `<|end|>` (calls the first two named tools, or t
 Choice i > 0 of an n > 1 request carries ` (choice i)` in its text. `output_tokens` pads or trims the
 analysis and final text so the whole reply has that many tokens when the fixed parts allow it.
 
-`echo_reply` is the non-Harmony model: the prompt ids reversed (at most 32), then the EOS id.
+`echo_reply` is the non-Harmony model: the prompt ids reversed (at most 32), then the EOS id. With a
+tokenizer folder (`SimConfig.tokenizer_path`) it is `TextScript` instead: scripted reply texts chosen by
+trigger strings in the prompt, encoded with that tokenizer.
 """
 
 from __future__ import annotations
@@ -218,6 +220,40 @@ def echo_reply(input_ids: Sequence[int], eos_token_id: int, limit: int = 32) -> 
     echoed = [t for t in reversed(input_ids) if t != eos_token_id][:limit]
     echoed.append(eos_token_id)
     return echoed
+
+
+class TextScript:
+    """A non-Harmony model with a real tokenizer: `reply(input_ids)` → the ids of a scripted text, then EOS.
+
+    `replies` pairs (trigger, text): the pair whose trigger occurs last in the decoded prompt wins, so in a
+    multi-turn prompt the latest turn decides (an empty trigger matches at the start). Without a match the
+    answer is `You said: "<the prompt's last 60 characters>".`. Tags such as `<think>` or `<tool_call>` in a
+    reply text become whatever ids the tokenizer gives them.
+    """
+
+    def __init__(self, tokenizer_path: str, replies: Sequence[tuple[str, str]], eos_token_id: int) -> None:
+        from pathlib import Path
+
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
+        self._replies = tuple(replies)
+        self._eos = eos_token_id
+
+    def reply_text(self, input_ids: Sequence[int]) -> str:
+        prompt = self._tokenizer.decode(list(input_ids), skip_special_tokens=False)
+        best, best_at = None, -1
+        for trigger, text in self._replies:
+            at = prompt.rfind(trigger) if trigger else 0
+            if at > best_at:
+                best, best_at = text, at
+        if best is None:
+            return f'You said: "{prompt[-_ECHO_CHARS:]}".'
+        return best
+
+    def reply(self, input_ids: Sequence[int]) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(self.reply_text(input_ids), add_special_tokens=False).ids
+        return [*ids, self._eos]
 
 
 def _clean_user_text(text: str) -> str:
@@ -473,6 +509,7 @@ __all__ = [
     "TRIGGERS",
     "HarmonyScript",
     "PromptSummary",
+    "TextScript",
     "ToolParam",
     "ToolSpec",
     "argument_word",

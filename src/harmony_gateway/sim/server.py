@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from harmony_gateway.harmony.encoding import RETURN
 
-from .script import HarmonyScript, echo_reply
+from .script import HarmonyScript, TextScript, echo_reply
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ class SimConfig:
     max_context_length: int = 131072
     eos_token_id: int = 2
     record_requests: bool = True
+    #: Non-Harmony mode: a tokenizer folder (tokenizer.json); the model then answers with `replies`
+    #: (`script.TextScript`) and `GetTokenizer` streams the folder as a zip.
+    tokenizer_path: str | None = None
+    replies: tuple[tuple[str, str], ...] = ()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -324,6 +328,11 @@ class SimCore:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.script = HarmonyScript(output_tokens=config.output_tokens) if config.harmony else None
+        self.text_script = (
+            TextScript(config.tokenizer_path, config.replies, config.eos_token_id)
+            if not config.harmony and config.tokenizer_path
+            else None
+        )
         self.requests: list[ReceivedRequest] = []
         self.aborted: list[str] = []
         self.healthy = True
@@ -401,6 +410,8 @@ class SimCore:
         for index in range(max(n, 1)):
             if self.script is not None:
                 reply = self.script.reply(input_ids, index, key=key)
+            elif self.text_script is not None:
+                reply = self.text_script.reply(input_ids)
             else:
                 reply = echo_reply(input_ids, config.eos_token_id)
             cut = next((i for i, t in enumerate(reply) if t in stops), None)

@@ -8,14 +8,19 @@ are gRPC status codes (INVALID_ARGUMENT for a bad request). Behaviour beyond the
 
 from __future__ import annotations
 
+import hashlib
+import io
 import time
+import zipfile
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.struct_pb2 import Struct
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
     from .server import Run, SimCore
 
 SERVICE_NAME = "sglang.grpc.scheduler.SglangScheduler"
+#: GetTokenizer chunk size; small, so that even a test tokenizer arrives in several chunks.
+TOKENIZER_CHUNK = 16 * 1024
 _VERSION = "sim-0.1"
 
 
@@ -309,6 +316,21 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
             aggregate=pb.AggregateMetrics(total_running_reqs=active, total_reqs=active),
         )
 
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The tokenizer folder as a zip in `TOKENIZER_CHUNK`-byte chunks, the SHA-256 on the last."""
+        folder = self._core.config.tokenizer_path
+        if not folder:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this simulated model has no tokenizer")
+        data = zip_folder(folder)
+        digest = hashlib.sha256(data).hexdigest()
+        for start in range(0, len(data), TOKENIZER_CHUNK):
+            last = start + TOKENIZER_CHUNK >= len(data)
+            yield common_pb2.GetTokenizerChunk(
+                data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
+            )
+
     async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
 
@@ -316,11 +338,20 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
     FlushCache = _unimplemented
     StartProfile = _unimplemented
     StopProfile = _unimplemented
-    GetTokenizer = _unimplemented
     SubscribeKvEvents = _unimplemented
     LoadLoRAAdapter = _unimplemented
     UnloadLoRAAdapter = _unimplemented
     ListLoadedLoRAAdapters = _unimplemented
+
+
+def zip_folder(folder: str) -> bytes:
+    """The files of a folder (not sub-folders) as a zip archive."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(Path(folder).iterdir()):
+            if path.is_file():
+                archive.write(path, path.name)
+    return buffer.getvalue()
 
 
 def _varint(value: int) -> bytes:

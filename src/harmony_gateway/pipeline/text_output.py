@@ -1,0 +1,397 @@
+"""Stage 5, parse, for output that is text rather than Harmony tokens: `TextChoiceOutput`, the sibling of
+`parse_output.ChoiceOutput` that `run.py` uses when `PreparedRequest.output_adapter` is set.
+
+Two sources feed it: token ids from a gRPC engine serving a non-Harmony model (detokenized
+incrementally, never splitting a UTF-8 character), and text from an HTTP upstream (`EngineChunk.text`,
+plus anything the upstream parsed itself in `upstream_delta`). The text runs through the model's
+`ParserChain` (reasoning parser, then tool-call parser; or the text-level Harmony parser) and comes
+out as the same chat deltas `ChoiceOutput` produces, so `respond.py` serves both:
+
+    (CONTENT, text) | (REASONING_TEXT, text) | (TOOL_OPEN, call_index, call_id, name) | (TOOL_ARGS, call_index, text)
+
+Client `stop` strings are matched in the gateway on answer text only (never inside reasoning or tool
+arguments, which the engine cannot tell apart). The matched string is cut, as OpenAI does, unless the
+request sets `no_stop_trim: true` (SGLang's extension), which keeps it at the end of the answer. Either
+way the answer ends at the match, `finish_reason` is `stop`, and the engine request is aborted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..engines.base import EngineChunk, TokenLogprob
+from ..harmony.text_events import (
+    ContentDelta,
+    ReasoningDelta,
+    Terminated,
+    TextEvent,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from ..harmony.text_parser import ParserStats
+from .context import GatewayState, PreparedRequest
+from .detokenize import IncrementalDetokenizer
+from .output_parsers import ParserChain, build_parser_chain
+from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN
+from .respond import ChatStreamWriter
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """How a model's text output is parsed; `PreparedRequest.output_adapter` holds one per request.
+
+    `tokenizer` (a `pipeline.tokenizer.ModelTokenizer`) is set for token-id engines and None for
+    text-mode upstreams. `text_kind` is a `--text-parser` kind (it replaces the reasoning parser).
+    """
+
+    tokenizer: Any = None
+    text_kind: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    no_stop_trim: bool = False
+
+    def new_chain(self) -> ParserChain | None:
+        return build_parser_chain(
+            text_kind=self.text_kind, reasoning=self.reasoning_parser, tool_call=self.tool_call_parser
+        )
+
+
+class TextStopScanner:
+    """Finds client stop strings in answer text, holding back a tail that may start one. With
+    `keep=True` (`no_stop_trim`) the matched string stays in the emitted text."""
+
+    __slots__ = ("_buffer", "_hold", "_keep", "_stops")
+
+    def __init__(self, stops: tuple[str, ...], *, keep: bool = False) -> None:
+        self._stops = stops
+        self._hold = max(len(s) for s in stops) - 1
+        self._keep = keep
+        self._buffer = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        buffer = self._buffer + text
+        cut = -1
+        length = 0
+        for stop in self._stops:
+            at = buffer.find(stop)
+            if at >= 0 and (cut < 0 or at < cut):
+                cut, length = at, len(stop)
+        if cut >= 0:
+            self._buffer = ""
+            return buffer[: cut + length] if self._keep else buffer[:cut], True
+        keep = min(self._hold, len(buffer))
+        self._buffer = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        text, self._buffer = self._buffer, ""
+        return text
+
+
+@dataclass(slots=True, eq=False)
+class TextToolCall:
+    """A tool call of one choice; `text` is the argument text exactly as streamed."""
+
+    call_id: str
+    name: str
+    text: str = ""
+
+
+def new_call_id() -> str:
+    return "call_" + os.urandom(12).hex()
+
+
+class TextChoiceOutput:
+    """The output of one choice of a text-output model, for Chat Completions (module docstring)."""
+
+    def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+        spec: OutputSpec = prepared.output_adapter
+        self.index = index
+        self.chain = spec.new_chain()
+        self.stats: ParserStats | None = self.chain.stats if self.chain is not None else None
+        self._tokenizer = spec.tokenizer
+        self._detok = IncrementalDetokenizer(spec.tokenizer.tokenizer) if spec.tokenizer is not None else None
+        self._stop = (
+            TextStopScanner(prepared.stop_strings, keep=spec.no_stop_trim) if prepared.stop_strings else None
+        )
+        self.want_logprobs = prepared.return_logprob
+        self.stop_hit = False
+        self.finished = False
+        self.engine_finish: str | None = None
+        self.matched_stop: int | str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.include_reasoning = True
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        self.tool_calls: list[TextToolCall] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self._pending_logprobs: list[dict[str, Any]] = []
+        self._open_calls: dict[Any, TextToolCall] = {}
+        self._call_index: dict[Any, int] = {}
+        self._upstream_calls: list[TextToolCall] = []
+        # Token accounting (chat_usage reads `parser.output_tokens` / `parser.reasoning_tokens`).
+        self.output_tokens = 0
+        self._upstream_reasoning_tokens: int | None = None
+        self._reasoning_chars = 0
+        self._answer_chars = 0
+
+    @property
+    def parser(self) -> TextChoiceOutput:
+        """The token counters `respond.chat_usage` reads from a choice's parser."""
+        return self
+
+    @property
+    def reasoning_tokens(self) -> int:
+        if self._tokenizer is not None:
+            # The reasoning text re-tokenized: exact up to merges across the reasoning boundary, and
+            # the same whether the engine streamed token by token or sent everything at once.
+            if not self.reasoning_parts:
+                return 0
+            return min(len(self._tokenizer.encode("".join(self.reasoning_parts))), self.output_tokens)
+        if self._upstream_reasoning_tokens is not None:
+            return self._upstream_reasoning_tokens
+        # Text upstreams that do not report it: the reasoning share of the characters, in tokens.
+        chars = self._reasoning_chars + self._answer_chars
+        total = self.completion_tokens or self.output_tokens
+        return round(total * self._reasoning_chars / chars) if chars else 0
+
+    # -- engine chunks → chat deltas ------------------------------------------------------------
+    def feed(self, chunk: EngineChunk) -> list[tuple[Any, ...]]:
+        if self.finished:
+            return []
+        deltas: list[tuple[Any, ...]] = []
+        if chunk.prompt_tokens:
+            self.prompt_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens:
+            self.completion_tokens = chunk.completion_tokens
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+        upstream = chunk.upstream_delta
+        if upstream is not None:
+            self._upstream(upstream, deltas)
+        if chunk.text is not None:
+            text = chunk.text
+        elif self._detok is not None and chunk.token_ids:
+            text = self._detok.push(chunk.token_ids)
+        else:
+            text = ""
+        if text:
+            self._translate(self.chain.feed(text) if self.chain is not None else [ContentDelta(text)], deltas)
+        if chunk.token_ids:
+            self.output_tokens += len(chunk.token_ids)
+            if self.want_logprobs and chunk.logprobs:
+                self._add_logprobs(chunk.logprobs)
+        if chunk.finished:
+            self.engine_finish = chunk.finish_reason
+            self.matched_stop = chunk.matched_stop_token or chunk.matched_stop_str
+            deltas.extend(self._finish())
+        return deltas
+
+    def close(self) -> list[tuple[Any, ...]]:
+        """Finish when the output ends without a finished chunk (a stop string was hit, or the engine
+        stream ended early)."""
+        if self.finished:
+            return []
+        return self._finish()
+
+    def _finish(self) -> list[tuple[Any, ...]]:
+        self.finished = True
+        deltas: list[tuple[Any, ...]] = []
+        if self.stop_hit:
+            return deltas
+        tail = self._detok.flush() if self._detok is not None else ""
+        events: list[TextEvent] = []
+        if self.chain is not None:
+            if tail:
+                events.extend(self.chain.feed(tail))
+            events.extend(self.chain.finish())
+        elif tail:
+            events.append(ContentDelta(tail))
+        self._translate(events, deltas)
+        if self._stop is not None and not self.stop_hit:
+            rest = self._stop.flush()
+            if rest:
+                self._content(rest, deltas)
+        self.tool_calls.extend(self._upstream_calls)
+        self._upstream_calls = []
+        return deltas
+
+    def _content(self, text: str, deltas: list[tuple[Any, ...]]) -> None:
+        self._answer_chars += len(text)
+        self.content_parts.append(text)
+        deltas.append((CONTENT, text))
+
+    def _reasoning(self, text: str, deltas: list[tuple[Any, ...]]) -> None:
+        self._reasoning_chars += len(text)
+        self.reasoning_parts.append(text)
+        if self.include_reasoning:
+            deltas.append((REASONING_TEXT, text))
+
+    def _translate(self, events: list[TextEvent], deltas: list[tuple[Any, ...]]) -> None:
+        for event in events:
+            if self.stop_hit:
+                return  # nothing after the answer's stop string
+            kind = type(event)
+            if kind is ContentDelta:
+                text = event.text  # type: ignore[union-attr]
+                if self._stop is not None:
+                    text, hit = self._stop.push(text)
+                    if hit:
+                        self.stop_hit = True
+                        self.engine_finish = "stop"
+                if text:
+                    self._content(text, deltas)
+            elif kind is ReasoningDelta:
+                self._reasoning(event.text, deltas)  # type: ignore[union-attr]
+            elif kind is ToolCallStart:
+                self._open_call(("p", event.index), event.id or new_call_id(), event.name, deltas)  # type: ignore[union-attr]
+            elif kind is ToolCallArgumentsDelta:
+                call = self._open_calls.get(("p", event.index))  # type: ignore[union-attr]
+                if call is not None:
+                    call.text += event.text  # type: ignore[union-attr]
+                    self._answer_chars += len(event.text)  # type: ignore[union-attr]
+                    deltas.append((TOOL_ARGS, self._call_index[("p", event.index)], event.text))  # type: ignore[union-attr]
+            elif kind is ToolCallEnd:
+                call = self._open_calls.pop(("p", event.index), None)  # type: ignore[union-attr]
+                if call is not None:
+                    self.tool_calls.append(call)
+            elif kind is Terminated:
+                pass
+
+    def _open_call(self, key: Any, call_id: str, name: str, deltas: list[tuple[Any, ...]]) -> TextToolCall:
+        call = TextToolCall(call_id, name)
+        self._open_calls[key] = call
+        index = self._call_index[key] = len(self._call_index)
+        deltas.append((TOOL_OPEN, index, call_id, name))
+        return call
+
+    def _upstream(self, upstream: dict[str, Any], deltas: list[tuple[Any, ...]]) -> None:
+        """Reasoning and tool calls the upstream parsed itself pass through unchanged."""
+        reasoning = upstream.get("reasoning")
+        if reasoning and not self.stop_hit:
+            self._reasoning(reasoning, deltas)
+        for call in upstream.get("tool_calls") or ():
+            key = ("u", call.get("index", 0))
+            function = call.get("function") or {}
+            current = self._open_calls.get(key)
+            if current is None:
+                current = self._open_call(
+                    key, call.get("id") or new_call_id(), function.get("name") or "", deltas
+                )
+                self._upstream_calls.append(current)
+            args = function.get("arguments")
+            if args:
+                if not isinstance(args, str):
+                    args = orjson.dumps(args).decode()
+                current.text += args
+                self._answer_chars += len(args)
+                deltas.append((TOOL_ARGS, self._call_index[key], args))
+        if "reasoning_tokens" in upstream:
+            self._upstream_reasoning_tokens = upstream["reasoning_tokens"]
+        entries = upstream.get("logprobs")
+        if entries and self.want_logprobs:
+            self.logprobs.extend(entries)
+            self._pending_logprobs.extend(entries)
+
+    # -- logprobs --------------------------------------------------------------------------------
+    def _add_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        token_text = self._tokenizer.token_text
+        for lp in logprobs:
+            text = token_text(lp.token_id)
+            entry = {
+                "token": text,
+                "logprob": lp.logprob,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
+                    for tid, value in lp.top
+                ],
+            }
+            self.logprobs.append(entry)
+            self._pending_logprobs.append(entry)
+
+    def take_logprobs(self) -> list[dict[str, Any]]:
+        """Entries not yet sent on the stream (the stream writer attaches them to the next chunk)."""
+        pending, self._pending_logprobs = self._pending_logprobs, []
+        return pending
+
+    # -- results ---------------------------------------------------------------------------------
+    @property
+    def finish_reason(self) -> str:
+        """`stop` after a stop string; `length` wins over tool calls (a cut call must not run)."""
+        if self.stop_hit:
+            return "stop"
+        if self.engine_finish == "length":
+            return "length"
+        if self.tool_calls:
+            return "tool_calls"
+        return "stop"
+
+
+class LogprobChatStreamWriter(ChatStreamWriter):
+    """A `ChatStreamWriter` that puts each choice's pending logprobs on the next chunk it writes for
+    that choice (`{"logprobs": {"content": [...]}}`), finish chunk included."""
+
+    def __init__(self, choices: list[Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._choices = choices
+        self._current = -1
+
+    def _logprobs_bytes(self, index: int) -> bytes:
+        take = getattr(self._choices[index], "take_logprobs", None)
+        entries = take() if take is not None else []
+        return b'{"content":' + orjson.dumps(entries) + b"}" if entries else b"null"
+
+    def _choice(self, index: int, delta: bytes) -> bytes:
+        return (
+            self._head
+            + b'{"index":%d,"delta":{' % index
+            + delta
+            + b'},"logprobs":'
+            + self._logprobs_bytes(index)
+            + b',"finish_reason":null}'
+            + self._tail
+        )
+
+    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+        return (
+            self._head
+            + b'{"index":%d,"delta":{},"logprobs":' % index
+            + self._logprobs_bytes(index)
+            + b',"finish_reason":'
+            + orjson.dumps(finish_reason)
+            + b"}"
+            + self._tail
+        )
+
+
+def add_logprobs(body: dict[str, Any], choices: list[Any]) -> None:
+    """Fill `choices[i].logprobs` of a non-stream chat body from text choices that collected them."""
+    for out, choice in zip(body["choices"], choices, strict=True):
+        entries = getattr(choice, "logprobs", None)
+        if isinstance(entries, list):
+            out["logprobs"] = {"content": entries}
+
+
+def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
+    """The parser counters of text choices, for the end-of-request metrics."""
+    return [c.stats for c in choices if getattr(c, "stats", None) is not None]
+
+
+__all__ = [
+    "LogprobChatStreamWriter",
+    "OutputSpec",
+    "TextChoiceOutput",
+    "TextStopScanner",
+    "TextToolCall",
+    "add_logprobs",
+    "new_call_id",
+    "text_parser_stats",
+]

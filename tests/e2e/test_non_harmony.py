@@ -1,0 +1,236 @@
+"""A non-Harmony model end to end over gRPC: the sim serves a Qwen-style model with a tokenizer trained in
+the test; the gateway renders its chat template, detokenizes incrementally and applies the `<think>`
+reasoning parser and the JSON tool-call parser; the official openai SDK reads the result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
+from tests.support.servers import RunningGateway, running_gateway, test_settings
+from tests.support.tiny_tokenizer import eos_id, write_tokenizer_folder
+
+MODEL = "qwen-test"
+GREETING = "<think>The user greets me. I answer.</think>Hello! 你好 🌍 This is the answer."
+TOOL_CALL = (
+    "<think>I need the weather tool.</think>"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+REPLIES = (
+    ("", GREETING),
+    ("[[tool]]", TOOL_CALL),
+    ("<tool_response>", "<think>The tool answered.</think>It is sunny in Paris."),
+    ("[[count]]", "<think>Counting.</think>one two three four five"),
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokenizer_folder(tmp_path_factory.mktemp("qwen") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+async def qwen_sim(tokenizer_dir: Path) -> AsyncIterator[RunningSim]:
+    config = SimConfig(
+        model=MODEL,
+        harmony=False,
+        tokenizer_path=str(tokenizer_dir),
+        replies=REPLIES,
+        eos_token_id=eos_id(tokenizer_dir),
+    )
+    async with await start_sim_engine(config) as sim:
+        yield sim
+
+
+def _settings(sim: RunningSim, **overrides: Any) -> Any:
+    return test_settings(
+        worker_urls=(sim.url,),
+        reasoning_parsers={MODEL: "think"},
+        tool_call_parsers={MODEL: "json"},
+        **overrides,
+    )
+
+
+@pytest.fixture(scope="module")
+async def qwen_gateway(qwen_sim: RunningSim, tokenizer_dir: Path) -> AsyncIterator[RunningGateway]:
+    async with running_gateway(_settings(qwen_sim, tokenizer_paths={MODEL: str(tokenizer_dir)})) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def qwen(qwen_gateway: RunningGateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=qwen_gateway.base_url, api_key="t", max_retries=0, timeout=30) as c:
+        yield c
+
+
+async def _collect(stream: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None, "deltas": [], "logprobs": []}
+    async for chunk in stream:
+        if not chunk.choices:
+            out["usage"] = chunk.usage
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        if delta.content:
+            out["content"] += delta.content
+            out["deltas"].append(delta.content)
+        reasoning = (delta.model_extra or {}).get("reasoning_content")
+        if reasoning:
+            out["reasoning"] += reasoning
+            out["deltas"].append(reasoning)
+        for call in delta.tool_calls or ():
+            entry = out["calls"].setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+            if call.id:
+                entry["id"], entry["name"] = call.id, call.function.name
+            entry["arguments"] += call.function.arguments or ""
+        if choice.logprobs and choice.logprobs.content:
+            out["logprobs"].extend(choice.logprobs.content)
+        if choice.finish_reason:
+            out["finish"] = choice.finish_reason
+    return out
+
+
+async def test_think_reasoning_and_answer(qwen: openai.AsyncOpenAI, qwen_sim: RunningSim) -> None:
+    r = await qwen.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi there"}])
+    message = r.choices[0].message
+    assert message.content == "Hello! 你好 🌍 This is the answer."
+    assert message.model_extra["reasoning_content"] == "The user greets me. I answer."
+    assert message.model_extra["reasoning"] == "The user greets me. I answer."
+    assert message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens < r.usage.completion_tokens
+    # The chat template was rendered: the engine saw a Qwen-style prompt ending in the generation prompt.
+    sampling = qwen_sim.requests[-1].sampling
+    assert "stop" not in sampling  # stop strings stay in the gateway
+
+
+async def test_stream_matches_non_stream_and_never_splits_utf8(qwen: openai.AsyncOpenAI) -> None:
+    stream = await qwen.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi there"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    out = await _collect(stream)
+    assert out["content"] == "Hello! 你好 🌍 This is the answer."
+    assert out["reasoning"] == "The user greets me. I answer."
+    assert out["finish"] == "stop"
+    assert all("\ufffd" not in d for d in out["deltas"])
+    assert len(out["deltas"]) > 5  # streamed token by token, not in one piece
+    assert out["usage"].completion_tokens_details.reasoning_tokens > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_json_tool_call(qwen: openai.AsyncOpenAI, qwen_sim: RunningSim, stream: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Paris? [[tool]]"}],
+        "tools": [WEATHER_TOOL],
+    }
+    if stream:
+        out = await _collect(await qwen.chat.completions.create(stream=True, **kwargs))
+        assert out["reasoning"] == "I need the weather tool."
+        assert out["content"] == ""
+        assert list(out["calls"]) == [0]
+        call = out["calls"][0]
+        name, arguments, finish = call["name"], call["arguments"], out["finish"]
+        assert call["id"].startswith("call_")
+    else:
+        r = await qwen.chat.completions.create(**kwargs)
+        message = r.choices[0].message
+        assert message.content is None
+        assert len(message.tool_calls) == 1
+        name, arguments = message.tool_calls[0].function.name, message.tool_calls[0].function.arguments
+        finish = r.choices[0].finish_reason
+    assert name == "get_weather"
+    assert json.loads(arguments) == {"city": "Paris"}
+    assert finish == "tool_calls"
+    # The tools were rendered into the system prompt by the chat template.
+    assert qwen_sim.requests[-1].input_ids  # sent as token ids
+
+
+async def test_tool_round_trip(qwen: openai.AsyncOpenAI, qwen_gateway: RunningGateway, qwen_sim: RunningSim) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris? [[tool]]"}]
+    first = await qwen.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    call = first.choices[0].message.tool_calls[0]
+    messages.append(first.choices[0].message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"})
+    second = await qwen.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    assert second.choices[0].message.content == "It is sunny in Paris."
+    tok = qwen_gateway.state.tokenizers[MODEL]
+    prompt = tok.tokenizer.decode(qwen_sim.requests[-1].input_ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("keep", "expected"), [(False, "one two "), (True, "one two three")])
+async def test_stop_strings_cut_the_answer_only(
+    qwen: openai.AsyncOpenAI, stream: bool, keep: bool, expected: str
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "[[count]]"}],
+        # "Counting" is in the reasoning: stop strings never cut reasoning.
+        "stop": ["three", "Counting"],
+        "extra_body": {"no_stop_trim": keep},
+    }
+    if stream:
+        out = await _collect(await qwen.chat.completions.create(stream=True, **kwargs))
+        content, reasoning, finish = out["content"], out["reasoning"], out["finish"]
+    else:
+        r = await qwen.chat.completions.create(**kwargs)
+        message = r.choices[0].message
+        content, reasoning, finish = message.content, message.model_extra["reasoning_content"], r.choices[0].finish_reason
+    assert content == expected
+    assert reasoning == "Counting."
+    assert finish == "stop"
+
+
+async def test_logprobs_non_stream_and_stream(qwen: openai.AsyncOpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = await qwen.chat.completions.create(**kwargs)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens
+    assert all(-1.0 < e.logprob <= 0.0 and len(e.top_logprobs) == 2 for e in entries)
+    assert entries[0].token == "<think>"
+    assert entries[0].top_logprobs[0].token == "<think>"  # the sampled token comes first
+    out = await _collect(await qwen.chat.completions.create(stream=True, **kwargs))
+    assert [e.token for e in out["logprobs"]] == [e.token for e in entries]
+    assert [e.logprob for e in out["logprobs"]] == [e.logprob for e in entries]
+
+
+async def test_template_error_is_a_400(qwen: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await qwen.chat.completions.create(model=MODEL, messages=[{"role": "assistant", "content": "Hi"}])
+    assert "must start with user or system" in info.value.message
+
+
+async def test_tokenizer_from_the_engine(qwen_sim: RunningSim) -> None:
+    """Without --tokenizer the gateway fetches the tokenizer with the engine's GetTokenizer RPC."""
+    async with running_gateway(_settings(qwen_sim)) as gw:
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0, timeout=30) as client:
+            r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content == "Hello! 你好 🌍 This is the answer."
+        assert gw.state.tokenizers[MODEL].source == qwen_sim.url
