@@ -386,3 +386,39 @@ async def test_client_disconnect_aborts_the_engine_request() -> None:
                     break
         await wait_until(lambda: request_id in engine.aborted, timeout=5)
         await wait_until(lambda: engine.active_requests == 0, timeout=5)
+
+
+async def test_two_calls_in_one_turn(client: openai.AsyncOpenAI) -> None:
+    messages = user("Use get_weather in Paris [[two_calls]]")
+    r = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    calls = r.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_weather"]
+    assert calls[0].id != calls[1].id
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER_TOOL], stream=True
+    )
+    [acc] = (await collect(stream)).values()
+    assert sorted(acc["tool_calls"]) == [0, 1]
+    assert [acc["tool_calls"][i]["arguments"] for i in (0, 1)] == [c.function.arguments for c in calls]
+    assert acc["finish"] == "tool_calls"
+
+
+async def test_engine_that_strips_stop_tokens() -> None:
+    """The last message still closes: a refusal header and a call whose `<|call|>` was not sent."""
+    async with (
+        await start_sim_engine(SimConfig(port=0, model=MODEL, strip_stop_token=True)) as engine,
+        running_gateway(servers.test_settings(worker_urls=(engine.url,))) as gw,
+        openai.AsyncOpenAI(base_url=gw.base_url, api_key="test", max_retries=0, timeout=10) as client,
+    ):
+        refusal = await client.chat.completions.create(model=MODEL, messages=user("Do it [[refusal]]"))
+        assert refusal.choices[0].message.content == "I'm sorry, but I can't help with that."
+        for stream in (False, True):
+            r = await client.chat.completions.create(
+                model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], stream=stream
+            )
+            if stream:
+                [acc] = (await collect(r)).values()
+                assert acc["finish"] == "tool_calls"
+            else:
+                assert r.choices[0].finish_reason == "tool_calls"
+                assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["city"] == "Paris"
