@@ -113,6 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tokenizer_paths=_pairs(args.tokenizer, "--tokenizer"),
         reasoning_parsers=_pairs(args.reasoning_parser, "--reasoning-parser"),
         tool_call_parsers=_pairs(args.tool_call_parser, "--tool-call-parser"),
+        model_aliases=_pairs(args.model_alias, "--model-alias"),
         text_parsers=_pairs(args.text_parser, "--text-parser"),
     )
 
@@ -269,6 +270,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MODEL=KIND",
         help="text output parser for a model behind an HTTP upstream: harmony, think, marker, "
         "passthrough or off (docs/models.md)",
+    )
+    p.add_argument(
+        "--model-alias",
+        action="append",
+        metavar="NAME=MODEL",
+        help="serve MODEL under NAME too on /v1/messages (e.g. a Claude model name Claude Code asks for)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line")

@@ -70,6 +70,8 @@ class Settings:
     tokenizer_paths: dict[str, str] = field(default_factory=dict)
     reasoning_parsers: dict[str, str] = field(default_factory=dict)
     tool_call_parsers: dict[str, str] = field(default_factory=dict)
+    #: Extra model names (`--model-alias NAME=MODEL`), resolved by the Anthropic Messages API.
+    model_aliases: dict[str, str] = field(default_factory=dict)
     #: Text-level output parser per model for text-mode (HTTP) upstreams: harmony | think | marker |
     #: passthrough | off. Default: harmony for Harmony models, else the reasoning/tool-call parsers.
     text_parsers: dict[str, str] = field(default_factory=dict)

@@ -368,3 +368,15 @@ async def test_replayed_claude_code_request_through_the_sdk(
     prompt = _prompt_text(sim)
     assert "namespace functions {" in prompt and "type Bash = " in prompt
     assert "Reasoning: high" in prompt
+
+
+async def test_model_alias_setting(sim: RunningSim) -> None:
+    settings = test_settings(worker_urls=(sim.url,), model_aliases={"fast": MODEL})
+    async with (
+        running_gateway(settings) as gw,
+        anthropic.AsyncAnthropic(base_url=gw.url, api_key="k") as client,
+    ):
+        body: dict[str, Any] = {"max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+        assert (await client.messages.create(model="fast", **body)).model == MODEL
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.create(model="slow", **body)
