@@ -73,12 +73,21 @@ async def qwen_gateway(qwen_sim: RunningSim, tokenizer_dir: Path) -> AsyncIterat
 
 @pytest.fixture
 async def qwen(qwen_gateway: RunningGateway) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=qwen_gateway.base_url, api_key="t", max_retries=0, timeout=30) as c:
+    async with openai.AsyncOpenAI(
+        base_url=qwen_gateway.base_url, api_key="t", max_retries=0, timeout=30
+    ) as c:
         yield c
 
 
 async def _collect(stream: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None, "deltas": [], "logprobs": []}
+    out: dict[str, Any] = {
+        "content": "",
+        "reasoning": "",
+        "calls": {},
+        "finish": None,
+        "deltas": [],
+        "logprobs": [],
+    }
     async for chunk in stream:
         if not chunk.choices:
             out["usage"] = chunk.usage
@@ -164,7 +173,9 @@ async def test_json_tool_call(qwen: openai.AsyncOpenAI, qwen_sim: RunningSim, st
     assert qwen_sim.requests[-1].input_ids  # sent as token ids
 
 
-async def test_tool_round_trip(qwen: openai.AsyncOpenAI, qwen_gateway: RunningGateway, qwen_sim: RunningSim) -> None:
+async def test_tool_round_trip(
+    qwen: openai.AsyncOpenAI, qwen_gateway: RunningGateway, qwen_sim: RunningSim
+) -> None:
     messages: list[Any] = [{"role": "user", "content": "Weather in Paris? [[tool]]"}]
     first = await qwen.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
     call = first.choices[0].message.tool_calls[0]
@@ -197,7 +208,11 @@ async def test_stop_strings_cut_the_answer_only(
     else:
         r = await qwen.chat.completions.create(**kwargs)
         message = r.choices[0].message
-        content, reasoning, finish = message.content, message.model_extra["reasoning_content"], r.choices[0].finish_reason
+        content, reasoning, finish = (
+            message.content,
+            message.model_extra["reasoning_content"],
+            r.choices[0].finish_reason,
+        )
     assert content == expected
     assert reasoning == "Counting."
     assert finish == "stop"
@@ -231,6 +246,8 @@ async def test_tokenizer_from_the_engine(qwen_sim: RunningSim) -> None:
     """Without --tokenizer the gateway fetches the tokenizer with the engine's GetTokenizer RPC."""
     async with running_gateway(_settings(qwen_sim)) as gw:
         async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0, timeout=30) as client:
-            r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+            r = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+            )
         assert r.choices[0].message.content == "Hello! 你好 🌍 This is the answer."
         assert gw.state.tokenizers[MODEL].source == qwen_sim.url

@@ -1,0 +1,245 @@
+"""HTTP upstreams through the gateway to the openai SDK: Harmony returned as raw text in awkward chunkings
+(markers split mid-marker, stripped special tokens, an unknown channel, a missing `<|end|>`), tool calls,
+pass-through with `--text-parser MODEL=off`, the chat API, a non-Harmony model, errors and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from harmony_gateway.errors import InvalidRequest
+from tests.support.openai_upstream import FakeUpstream, running_upstream
+from tests.support.servers import RunningGateway, running_gateway, test_settings
+
+HARMONY = "gpt-oss-test"
+PLAIN = "qwen-http"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+async def upstream() -> AsyncIterator[FakeUpstream]:
+    async with running_upstream(FakeUpstream(models=(HARMONY, PLAIN))) as up:
+        yield up
+
+
+@pytest.fixture(scope="module")
+async def http_gateway(upstream: FakeUpstream) -> AsyncIterator[RunningGateway]:
+    settings = test_settings(
+        worker_urls=(f"{upstream.url}?model={HARMONY}", f"{upstream.url}/v1?model={PLAIN}&api=chat"),
+        reasoning_parsers={PLAIN: "think"},
+    )
+    async with running_gateway(settings) as gw:
+        yield gw
+
+
+@pytest.fixture
+async def http_client(http_gateway: RunningGateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=http_gateway.base_url, api_key="t", max_retries=0, timeout=30
+    ) as c:
+        yield c
+
+
+async def ask(
+    client: openai.AsyncOpenAI, text: str, *, stream: bool, model: str = HARMONY, **kw: Any
+) -> dict[str, Any]:
+    """content / reasoning / tool calls / finish reason, from a stream or a non-stream answer."""
+    messages = [{"role": "user", "content": text}]
+    if not stream:
+        r = await client.chat.completions.create(model=model, messages=messages, **kw)
+        m = r.choices[0].message
+        calls = [(c.function.name, c.function.arguments) for c in m.tool_calls or ()]
+        return {
+            "content": m.content,
+            "reasoning": m.model_extra.get("reasoning_content"),
+            "calls": calls,
+            "finish": r.choices[0].finish_reason,
+            "usage": r.usage,
+        }
+    out: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None, "usage": None}
+    stream_ = await client.chat.completions.create(
+        model=model, messages=messages, stream=True, stream_options={"include_usage": True}, **kw
+    )
+    async for chunk in stream_:
+        if not chunk.choices:
+            out["usage"] = chunk.usage
+            continue
+        choice = chunk.choices[0]
+        out["content"] += choice.delta.content or ""
+        out["reasoning"] += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+        for call in choice.delta.tool_calls or ():
+            name, args = out["calls"].get(call.index, ("", ""))
+            out["calls"][call.index] = (call.function.name or name, args + (call.function.arguments or ""))
+        out["finish"] = choice.finish_reason or out["finish"]
+    out["calls"] = [out["calls"][k] for k in sorted(out["calls"])]
+    out["content"] = out["content"] or None
+    out["reasoning"] = out["reasoning"] or None
+    return out
+
+
+STREAM = pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+
+
+@STREAM
+async def test_split_markers(http_client: openai.AsyncOpenAI, upstream: FakeUpstream, stream: bool) -> None:
+    out = await ask(http_client, "What is 2+2?", stream=stream)
+    assert out["reasoning"] == "Let me think."
+    assert out["content"] == "The answer is 4."
+    assert out["finish"] == "stop" and out["calls"] == []
+    assert out["usage"].completion_tokens == 20
+    api, body = upstream.requests[-1]
+    assert api == "completions"
+    assert body["model"] == HARMONY
+    assert body["skip_special_tokens"] is False
+    assert body["prompt"].startswith("<|start|>system<|message|>")
+    assert body["prompt"].endswith("What is 2+2?<|end|><|start|>assistant")
+
+
+@STREAM
+async def test_stripped_special_tokens(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+    out = await ask(http_client, "[[stripped]]", stream=stream)
+    assert out["reasoning"] == "Let me think."
+    assert out["content"] == "The answer is 4."
+
+
+@STREAM
+async def test_unknown_channel_is_content(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+    out = await ask(http_client, "[[unknown]]", stream=stream)
+    assert out["reasoning"] == "Hmm."
+    assert out["content"] == "Odd. Done."
+
+
+@STREAM
+async def test_missing_end(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+    out = await ask(http_client, "[[noend]]", stream=stream)
+    assert out["reasoning"] == "Thinking"
+    assert out["content"] == "Answer without end"
+
+
+@STREAM
+async def test_tool_call(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+    out = await ask(http_client, "Weather in Paris? [[tool]]", stream=stream, tools=[WEATHER_TOOL])
+    assert out["reasoning"] == "Need the weather."
+    assert out["calls"] == [("get_weather", '{"city":"Paris"}')]
+    assert out["finish"] == "tool_calls"
+    assert out["content"] is None
+
+
+@STREAM
+async def test_no_markers_fall_back_to_pass_through(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+    out = await ask(http_client, "[[plain]]", stream=stream)
+    assert out["content"] == "Just plain text with no markers at all."
+    assert out["reasoning"] is None
+
+
+async def test_stop_string_on_answer_only(http_client: openai.AsyncOpenAI) -> None:
+    out = await ask(http_client, "What is 2+2?", stream=True, stop=["is", "think"])
+    assert out["reasoning"] == "Let me think."  # never cut
+    assert out["content"] == "The answer "
+    assert out["finish"] == "stop"
+
+
+@STREAM
+async def test_non_harmony_model_passes_through_with_think_parser(
+    http_client: openai.AsyncOpenAI, upstream: FakeUpstream, stream: bool
+) -> None:
+    out = await ask(http_client, "[[think]]", stream=stream, model=PLAIN, temperature=0.5)
+    assert out["reasoning"] == "Hmm, a greeting."
+    assert out["content"] == "Plain answer."
+    api, body = upstream.requests[-1]
+    assert api == "chat" and body["model"] == PLAIN and body["temperature"] == 0.5
+    assert body["messages"] == [{"role": "user", "content": "[[think]]"}]
+
+
+async def test_upstream_reasoning_passes_through(upstream: FakeUpstream) -> None:
+    async with running_upstream(FakeUpstream(models=(PLAIN,), structured_reasoning=True)) as up:
+        async with running_gateway(test_settings(worker_urls=(up.url,))) as gw:
+            async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0) as client:
+                for stream in (False, True):
+                    out = await ask(client, "[[think]]", stream=stream, model=PLAIN)
+                    assert out["reasoning"] == "Hmm, a greeting."
+                    assert out["content"] == "Plain answer."
+
+
+async def test_text_parser_off_passes_raw_text(upstream: FakeUpstream) -> None:
+    settings = test_settings(worker_urls=(f"{upstream.url}?model={HARMONY}",), text_parsers={HARMONY: "off"})
+    async with running_gateway(settings) as gw:
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0) as client:
+            for stream in (False, True):
+                out = await ask(client, "What is 2+2?", stream=stream)
+                assert out["content"] == (
+                    "<|channel|>analysis<|message|>Let me think.<|end|>"
+                    "<|start|>assistant<|channel|>final<|message|>The answer is 4.<|return|>"
+                )
+                assert out["reasoning"] is None
+
+
+async def test_harmony_over_the_chat_api(upstream: FakeUpstream) -> None:
+    """`api=chat`: the chat request is forwarded and the Harmony text in `content` is parsed."""
+    settings = test_settings(worker_urls=(f"{upstream.url}/v1/chat/completions?model={HARMONY}",))
+    async with running_gateway(settings) as gw:
+        async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0) as client:
+            out = await ask(client, "[[stripped]] hello", stream=True)
+    assert (out["reasoning"], out["content"]) == ("Let me think.", "The answer is 4.")
+    assert upstream.requests[-1][0] == "chat"
+
+
+async def test_upstream_errors(http_client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await ask(http_client, "[[http400]]", stream=False)
+    assert "prompt is too silly" in bad.value.message
+    with pytest.raises(openai.InternalServerError) as failed:
+        await ask(http_client, "[[http500]]", stream=True)
+    assert failed.value.status_code == 502
+    assert "engine exploded" in failed.value.message
+    with pytest.raises(openai.APIError, match="engine died mid-stream"):
+        await ask(http_client, "[[midstream]]", stream=True)
+
+
+async def test_metrics_count_text_parser_outcomes(
+    http_client: openai.AsyncOpenAI, http_gateway: RunningGateway
+) -> None:
+    await ask(http_client, "[[unknown]]", stream=False)
+    await ask(http_client, "[[plain]]", stream=False)
+    await ask(http_client, "[[noend]]", stream=False)
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(http_gateway.url + "/metrics")).text
+    lines = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and line[0] != "#"
+    }
+    assert lines['harmony_channel_messages_total{channel="<unknown>"}'] >= 1
+    assert lines['harmony_channel_messages_total{channel="final"}'] >= 1
+    assert lines['harmony_marker_fallback_total{fallback="passthrough"}'] >= 1
+    assert lines["harmony_channel_parse_errors_total"] >= 1
+    assert lines["harmony_reasoning_answer_ratio_count"] >= 3
+
+
+async def test_worker_url_forms() -> None:
+    from harmony_gateway.engines.http_upstream import HttpUpstreamClient
+
+    clients = [
+        HttpUpstreamClient("http://h:1/v1/chat/completions?model=m"),
+        HttpUpstreamClient("https://h/v1/"),
+        HttpUpstreamClient("http://h:2?api=completions"),
+    ]
+    assert [(c.base_url, c.api, c.model_name) for c in clients] == [
+        ("http://h:1", "chat", "m"),
+        ("https://h", "auto", None),
+        ("http://h:2", "completions", None),
+    ]
+    for client in clients:
+        await client.close()
+    with pytest.raises(InvalidRequest):
+        HttpUpstreamClient("http://h:2?api=grpc")
