@@ -8,6 +8,7 @@ cached per key, which tests prove identical to the library's one-shot rendering.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections import OrderedDict
@@ -76,7 +77,7 @@ class PromptRenderer:
     - Every other message is its header frame + the text encoded as ordinary BPE + its terminator.
       openai-harmony encodes message text as ordinary text (special-token strings in user text stay
       text), so the frame is cached per header and the text goes through quicktok, which costs ~1 µs
-      instead of ~200 µs per message. Property tests (tests/harmony/test_render_fast_path.py) prove the
+      instead of ~200 µs per message. Property tests (tests/harmony/test_render.py) prove the
       result equal to `render_conversation_for_completion` over generated conversations.
     """
 
@@ -116,7 +117,8 @@ class PromptRenderer:
         key = prefix.key
         cached = self._prefix_cache.get(key)
         if cached is not None:
-            self._prefix_cache.move_to_end(key)
+            with contextlib.suppress(KeyError):  # a render thread may have evicted it since `get`
+                self._prefix_cache.move_to_end(key)
             return cached
         tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
         self._prefix_cache[key] = tokens
