@@ -619,3 +619,18 @@ def test_prefix_cache_keeps_schemas_that_compare_equal_apart(variants: list[dict
         assert renderer.render_for_completion(prefix, history) == render_reference(
             [*prefix.messages(), *history]
         )
+
+
+def test_drop_rule_takes_builtin_tool_results_with_their_analysis_calls() -> None:
+    history = [
+        Msg("user", "Search for cats"),
+        Msg("assistant", "I will search.", channel="analysis"),
+        Msg("assistant", '{"query":"cats"}', channel="analysis", recipient="browser.search"),
+        Msg("tool", "results", channel="analysis", recipient="assistant", name="browser.search"),
+        Msg("assistant", "Cats are mammals.", channel="final"),
+        Msg("user", "More?"),
+    ]
+    kept = drop_old_analysis(history)
+    assert kept == [history[0], history[4], history[5]]
+    prefix = PromptPrefix(SystemOptions(conversation_start_date=TEST_DATE))
+    assert _renderer.render_for_completion(prefix, kept) == render_reference([*prefix.messages(), *history])

@@ -264,8 +264,6 @@ def drop_old_analysis(messages: list[Msg]) -> list[Msg]:
             break
     if last_final < 0:
         return messages
-    return [
-        m
-        for i, m in enumerate(messages)
-        if not (i < last_final and m.role == "assistant" and m.channel == "analysis")
-    ]
+    # Any role: a built-in tool's result on the analysis channel goes with the analysis call that asked for
+    # it (as openai-harmony's own auto_drop_analysis does), never left behind without its call.
+    return [m for i, m in enumerate(messages) if not (i < last_final and m.channel == "analysis")]
