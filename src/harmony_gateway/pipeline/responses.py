@@ -354,8 +354,10 @@ async def run_responses(
     ctx.prompt_tokens = len(plan.prepared.input_ids)
     if req.background:
         return await start_background(state, plan, ctx)
-    # 2) select, 3) build, 4) dispatch: wait for the first chunk so early failures are HTTP errors
-    opened = await _open_stream(state, plan.prepared, ctx, stream=True)
+    # 2) select, 3) build, 4) dispatch: wait for the first chunk so early failures are HTTP errors.
+    # A non-stream response takes the engine's output in one message: one gRPC message instead of one
+    # per token, the same tokens.
+    opened = await _open_stream(state, plan.prepared, ctx, stream=req.stream)
     builder = ResponseBuilder(plan.envelope, stream=req.stream)
     if not req.stream:
         # 5) parse, 6) respond
