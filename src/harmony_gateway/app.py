@@ -22,6 +22,7 @@ from .api.routes import router
 from .api.workers import router as workers_router
 from .engines.registry import create_client
 from .harmony.encoding import PromptRenderer, get_encoding
+from .mcp.pool import open_mcp_pool
 from .observability.metrics import GatewayMetrics
 from .pipeline.background import BackgroundRunner, default_runner_id, fail_interrupted
 from .pipeline.context import GatewayState
@@ -140,7 +141,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 tg.start_soon(add_worker, gw, url, kind)
         checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
         try:
-            async with anyio.create_task_group() as tg:
+            # MCP connections (pooled and per request) run in the pool's task group until shutdown.
+            async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
                 tg.start_soon(checker.run)
                 tg.start_soon(_watch_workers, gw, checker)
                 if settings.storage_retention:

@@ -122,6 +122,28 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        # The Responses tool loop (pipeline/responses.py, mcp/tool_loop.py).
+        self.mcp_iterations = Histogram(
+            "gateway_mcp_iterations",
+            "Model generations per Responses request that offered gateway-executed tools",
+            ["model"],
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
+            registry=r,
+        )
+        self.mcp_tool_calls = Counter(
+            "gateway_mcp_tool_calls_total",
+            "Gateway-executed tool calls by server, tool and outcome "
+            "(success, tool_error, error, timeout, invalid_arguments)",
+            ["server", "tool", "outcome"],
+            registry=r,
+        )
+        self.mcp_tool_latency = Histogram(
+            "gateway_mcp_tool_duration_seconds",
+            "Duration of gateway-executed tool calls",
+            ["server", "tool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.harmony_requests = Counter(
             "harmony_requests_total", "Requests served by a Harmony model", registry=r
         )

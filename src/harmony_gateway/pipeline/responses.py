@@ -5,11 +5,19 @@ Harmony prompt for a turn = system + developer (this request's instructions and 
 stored history of every response in the `previous_response_id` chain (oldest first) or the
 conversation's items + this request's input. Each stored response keeps its own turn's messages
 (input and generated, exactly as generated) so chains replay losslessly.
+
+Gateway-executed tools (MCP servers, the `browser` / `python` built-ins; REFERENCE §5) turn one
+generation into a loop: tools are listed before generation (`mcp_list_tools` items, once per chain),
+each call the model makes is run (`mcp_call` / `web_search_call` / `code_interpreter_call` items), the
+call and its result are appended to the conversation, and the model generates again on the same worker
+with the remaining output budget, until a final answer, a function call, an approval request, length,
+or the `max_tool_calls` limit. All iterations stream into one response with one terminal event.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,10 +36,23 @@ from ..harmony.messages import (
     dedupe_function_tools,
     drop_old_analysis,
     parse_reasoning_effort,
+    tool_result,
+)
+from ..mcp.approval import ApprovalDecision, declined_text, match_approvals
+from ..mcp.client import McpTool
+from ..mcp.tool_loop import (
+    APPROVAL,
+    GATEWAY_TOOL_TYPES,
+    OVER_LIMIT,
+    GatewayTools,
+    ToolLoop,
+    open_tool_loop,
+    parse_gateway_tools,
 )
 from ..storage.base import StoredResponse
 from .background import RUNNER_KEY
 from .context import GatewayState, PreparedRequest, RequestContext
+from .dispatch import dispatch
 from .parse_output import parse_chunk
 from .prepare import (
     apply_tool_choice,
@@ -41,7 +62,7 @@ from .prepare import (
     system_options,
     token_budget,
 )
-from .responses_input import call_names_of, items_to_messages, new_id, normalize_items
+from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
 from .run import _open_stream
 
@@ -64,6 +85,24 @@ class ResponsePlan:
     reasoning_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    #: History before this turn (the chain's or the conversation's messages).
+    history: list[Msg] = field(default_factory=list)
+    #: Gateway-executed tools of this request (None: one plain generation).
+    tools: ToolLoop | None = None
+    #: Approval answers in this input, each with the placeholder tool message it fills in.
+    approvals: list[tuple[ApprovalDecision, Msg]] = field(default_factory=list)
+    iterations: int = 0
+    #: True when the request offered gateway-executed tools (stays set after `close_tools`).
+    uses_tools: bool = False
+    #: Model turns that called tools past `max_tool_calls`; a second one ends the response incomplete.
+    limit_turns: int = 0
+    incomplete_reason: str | None = None
+
+    async def close_tools(self) -> None:
+        """Close the request's own MCP connections (pooled ones stay); idempotent."""
+        if self.tools is not None:
+            tools, self.tools = self.tools, None
+            await tools.aclose()
 
 
 def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]:
@@ -87,11 +126,12 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
     out = []
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
-        if kind == "namespace" and param == "tools":
-            continue
+        if (kind == "namespace" or kind in GATEWAY_TOOL_TYPES) and param == "tools":
+            continue  # namespaces: client_namespaces(); gateway-executed tools: mcp/tool_loop.py
         if kind != "function":
             raise InvalidRequest(
-                f"tool type {kind!r} is not supported yet on this gateway; use function tools",
+                f"tool type {kind!r} is not supported on this gateway; use function, namespace, mcp, "
+                "web_search_preview or code_interpreter tools",
                 param=f"{param}[{i}].type",
             )
         name = tool.get("name")
@@ -104,6 +144,37 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
             )
         out.append(FunctionTool(name, tool.get("description") or "", params))
     return dedupe_function_tools(out)
+
+
+_SECRET_TOOL_KEYS = ("headers", "authorization")
+
+
+def redacted_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The request's tools without MCP headers and authorization: echoed and stored, never secrets."""
+    return [
+        {k: v for k, v in tool.items() if k not in _SECRET_TOOL_KEYS} if tool.get("type") == "mcp" else tool
+        for tool in tools or ()
+    ]
+
+
+def function_tool_choice(tool_choice: Any, has_gateway_tools: bool) -> Any:
+    """The part of tool_choice that applies to function tools: a hosted-tool choice (`{"type": "mcp"}`,
+    `{"type": "web_search_preview"}`) leaves functions on auto, as does `required` with gateway tools."""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in GATEWAY_TOOL_TYPES:
+        return None
+    if tool_choice == "required" and has_gateway_tools:
+        return None
+    return tool_choice
+
+
+def listed_tools(items: list[dict[str, Any]]) -> dict[str, list[McpTool]]:
+    """Tool listings already reported in a chain or conversation, by server label (smg#1163: list once)."""
+    out: dict[str, list[McpTool]] = {}
+    for item in items:
+        if item.get("type") == "mcp_list_tools" and not item.get("error") and item.get("server_label"):
+            tools = item.get("tools") or ()
+            out[item["server_label"]] = [McpTool.from_item(t) for t in tools if isinstance(t, dict)]
+    return out
 
 
 def _envelope(
@@ -130,7 +201,7 @@ def _envelope(
         "temperature": req.temperature if req.temperature is not None else 1.0,
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [],
+        "tools": redacted_tools(req.tools),
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled",
         "usage": None,
@@ -139,6 +210,9 @@ def _envelope(
 
 
 async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: RequestContext) -> ResponsePlan:
+    """Validate, load the chain or conversation, map items to Harmony, and open the request's tools
+    (connect, list: failures are HTTP errors). The prompt is rendered by `begin`. On any error the tools
+    opened so far are closed."""
     store = state.store
     if req.background and not req.store:
         raise InvalidRequest("background responses must be stored: set store to true", param="background")
@@ -156,8 +230,17 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             f"the Responses API serves Harmony models; {group.name!r} is not one", param="model"
         )
     effort = parse_reasoning_effort(req.reasoning.effort if req.reasoning else None, param="reasoning.effort")
-    tools = apply_tool_choice(function_tools(req.tools), req.tool_choice)
+    requested = parse_gateway_tools(req.tools) if req.tool_choice != "none" else GatewayTools()
+    tools = apply_tool_choice(
+        function_tools(req.tools), function_tool_choice(req.tool_choice, bool(requested))
+    )
     namespaces = client_namespaces(req.tools) if req.tool_choice != "none" else []
+    for spec in requested.mcp:
+        if any(ns.name == spec.label for ns in namespaces):
+            raise InvalidRequest(
+                f"server_label {spec.label!r} is also the name of a namespace tool",
+                param=f"{spec.param}.server_label",
+            )
     items = normalize_items(req.input)
 
     # History: the previous_response_id chain, or the conversation's items.
@@ -186,51 +269,99 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         return item
 
     if conversation_items:
-        history.extend(items_to_messages(conversation_items, call_names, param="conversation"))
+        history.extend(
+            items_to_messages(conversation_items, call_names, param="conversation", mcp_replay=McpReplay())
+        )
+    decisions = match_approvals(items, known_items)
+    approvals = []
+    placeholders: dict[str, Msg] = {}
+    for decision in decisions:
+        request = decision.request
+        # Filled in by `begin` once the call ran (or was declined); its position is the response's.
+        placeholder = tool_result(f"{request.get('server_label')}.{request.get('name')}", "")
+        placeholders[decision.request_id] = placeholder
+        approvals.append((decision, placeholder))
     extra_instructions: list[str] = []
     turn = items_to_messages(
         items,
         call_names,
         leading_instructions=extra_instructions,
         resolve_reference=resolve,
+        mcp_replay=McpReplay(placeholders),
     )
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
-    full_history = drop_old_analysis(history + turn)
-    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), tuple(namespaces))
-    input_ids = await render_harmony(state, prefix, full_history)
 
-    sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
-    sampling.max_new_tokens = token_budget(group, len(input_ids), req.max_output_tokens, param="input")
-    sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
-    prepared = PreparedRequest(
-        group=group,
-        input_ids=input_ids,
-        sampling=sampling,
-        selection_text=selection_text(full_history),
-        stream=req.stream,
-        function_names=frozenset(
-            [t.name for t in tools] + [f"{ns.name}.{t.name}" for ns in namespaces for t in ns.tools]
-        ),
-        effort=effort,
-        prefix=prefix,
-        history=full_history,
-        max_reasoning_tokens=req.reasoning.max_tokens if req.reasoning else None,
-        original_text="[harmony]",
-    )
-    response_id = "resp_" + ctx.request_id if ctx.request_id.isalnum() else new_id("resp")
-    if ctx.routing_key is None:
-        ctx.routing_key = conversation_id or req.previous_response_id or req.user
-    envelope = _envelope(req, response_id, int(time.time()), group.name, effort)
-    return ResponsePlan(
-        request=req,
-        response_id=response_id,
-        owner=ctx.owner,
-        prepared=prepared,
-        input_items=items,
-        turn_messages=turn,
-        envelope=envelope,
-        conversation_id=conversation_id,
-    )
+    loop: ToolLoop | None = None
+    if requested or decisions:
+        max_calls = state.settings.max_tool_calls
+        if req.max_tool_calls is not None:
+            max_calls = min(max_calls, req.max_tool_calls)
+        loop = await open_tool_loop(
+            state.mcp,
+            requested,
+            max_calls=max_calls,
+            listed=listed_tools(known_items),
+            new_id=new_id,
+            metrics=state.metrics,
+        )
+    try:
+        for decision in decisions:
+            label = decision.request.get("server_label")
+            if decision.approve and (loop is None or label not in loop.servers):
+                raise InvalidRequest(
+                    f"approving a call to MCP server {label!r} needs that server among this request's tools",
+                    param=f"input[{decision.position}]",
+                )
+        mcp_namespaces = loop.namespaces if loop is not None else ()
+        options = system_options(
+            state,
+            effort,
+            browser=loop is not None and loop.browser is not None,
+            python=loop is not None and loop.python is not None,
+        )
+        prefix = PromptPrefix(options, instructions, tuple(tools), (*namespaces, *mcp_namespaces))
+        sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
+        sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
+        prepared = PreparedRequest(
+            group=group,
+            input_ids=[],
+            sampling=sampling,
+            selection_text="",
+            stream=req.stream,
+            function_names=frozenset(
+                [t.name for t in tools] + [f"{ns.name}.{t.name}" for ns in namespaces for t in ns.tools]
+            ),
+            tool_namespaces=loop.tool_namespaces if loop is not None else frozenset(),
+            effort=effort,
+            prefix=prefix,
+            max_reasoning_tokens=req.reasoning.max_tokens if req.reasoning else None,
+            original_text="[harmony]",
+        )
+        response_id = "resp_" + ctx.request_id if ctx.request_id.isalnum() else new_id("resp")
+        if ctx.routing_key is None:
+            ctx.routing_key = conversation_id or req.previous_response_id or req.user
+        envelope = _envelope(req, response_id, int(time.time()), group.name, effort)
+        plan = ResponsePlan(
+            request=req,
+            response_id=response_id,
+            owner=ctx.owner,
+            prepared=prepared,
+            input_items=items,
+            turn_messages=turn,
+            envelope=envelope,
+            conversation_id=conversation_id,
+            history=history,
+            tools=loop,
+            approvals=approvals,
+            uses_tools=loop is not None,
+        )
+        if not approvals:
+            await render_turn(state, plan)  # early: a prompt over the context is a 400, not a stream
+        return plan
+    except BaseException:
+        if loop is not None:
+            await loop.aclose()
+        raise
 
 
 def _generated_messages(parser: tp.HarmonyOutputParser) -> list[Msg]:
@@ -250,6 +381,75 @@ def _generated_messages(parser: tp.HarmonyOutputParser) -> list[Msg]:
     return out
 
 
+def remaining_budget(plan: ResponsePlan) -> int | None:
+    """`max_output_tokens` left for the next iteration (vllm#38226: the budget covers the whole loop)."""
+    limit = plan.request.max_output_tokens
+    return None if limit is None else limit - plan.output_tokens
+
+
+async def render_turn(state: GatewayState, plan: ResponsePlan) -> None:
+    """Render the conversation so far (history, this input, what this response generated and ran)."""
+    prepared = plan.prepared
+    assert prepared.prefix is not None
+    full = drop_old_analysis(plan.history + plan.turn_messages + plan.generated)
+    input_ids = await render_harmony(state, prepared.prefix, full)
+    budget = token_budget(prepared.group, len(input_ids), remaining_budget(plan), param="input")
+    plan.prepared = dataclasses.replace(
+        prepared,
+        input_ids=input_ids,
+        sampling=dataclasses.replace(prepared.sampling, max_new_tokens=budget),
+        selection_text=prepared.selection_text or selection_text(full),
+        history=full,
+    )
+
+
+async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> None:
+    """Before the first generation: report the tool listings, run the calls this input approves (or tell
+    the model they were declined), and render the prompt."""
+    loop = plan.tools
+    if loop is not None:
+        for item in loop.list_items():
+            builder.add_list_tools(item)
+    if not plan.approvals:
+        return
+    for decision, placeholder in plan.approvals:
+        request = decision.request
+        recipient = f"{request.get('server_label')}.{request.get('name')}"
+        arguments = str(request.get("arguments") or "")
+        if decision.approve and loop is not None:
+            call = loop.resolve(recipient)
+            loop.calls += 1
+            slot = builder.open_approved_call(
+                str(request.get("server_label")), str(request.get("name")), arguments, decision.request_id
+            )
+            outcome = await loop.execute(call, arguments)
+            builder.complete_tool(slot, outcome.output, outcome.error)
+            text = outcome.model_text
+        else:
+            text = declined_text(decision.reason)
+        filled = placeholder._replace(text=text)
+        plan.turn_messages = [filled if m is placeholder else m for m in plan.turn_messages]
+    await render_turn(state, plan)
+
+
+async def _open_iteration(
+    state: GatewayState, plan: ResponsePlan, ctx: RequestContext, pinned: Any
+) -> tuple[AsyncIterator[Any], Any]:
+    """Dispatch one iteration and wait for its first chunk; later iterations stay on `pinned` (its
+    prefix cache holds the conversation) while it is available."""
+    if pinned is None:
+        return await _open_stream(state, plan.prepared, ctx, stream=True)
+    chunks = dispatch(state, plan.prepared, ctx, stream=True, pinned=pinned)
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        return chunks, None
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return chunks, first
+
+
 async def generate(
     state: GatewayState,
     plan: ResponsePlan,
@@ -259,54 +459,128 @@ async def generate(
 ) -> AsyncIterator[bytes]:
     """Run the model for this response, feeding the builder; yields stream frames as they form.
 
-    One generation today; gateway-executed tools (MCP, built-ins) extend this into a loop."""
-    prepared = plan.prepared
-    parser = tp.HarmonyOutputParser(state.encoding, prepared.function_names, prepared.tool_namespaces)
-    if opened is None:
-        opened = await _open_stream(state, prepared, ctx, stream=True)
-    chunks, first = opened
-    async with contextlib.aclosing(chunks):
-        if first is not None:
-            _account(plan, first)
-            builder.on_events(parse_chunk(parser, first))
-        if builder.stream:
-            out = builder.take()
-            if out:
-                yield out
-        async for chunk in chunks:
-            _account(plan, chunk)
-            builder.on_events(parse_chunk(parser, chunk))
+    Without gateway tools this is one generation. With them, each model turn that calls tools is
+    followed by running the calls and generating again (REFERENCE §5.2); stop conditions: a turn
+    without gateway calls, a function call, an approval request, length, or the second turn that
+    calls tools after the model was told `max_tool_calls` is reached."""
+    loop = plan.tools
+    builder.tools = loop
+    pinned = None
+    while True:
+        plan.iterations += 1
+        prepared = plan.prepared
+        parser = tp.HarmonyOutputParser(state.encoding, prepared.function_names, prepared.tool_namespaces)
+        if opened is None:
+            opened = await _open_iteration(state, plan, ctx, pinned)
+        chunks, first = opened
+        opened = None
+        usage = _Usage()
+        async with contextlib.aclosing(chunks):
+            if first is not None:
+                usage.account(plan, first)
+                builder.on_events(parse_chunk(parser, first))
             if builder.stream:
                 out = builder.take()
                 if out:
                     yield out
-    if not parser.output_tokens and first is None:
-        builder.on_events(parser.finish())
-    plan.reasoning_tokens += parser.reasoning_tokens
-    plan.generated.extend(_generated_messages(parser))
+            async for chunk in chunks:
+                usage.account(plan, chunk)
+                builder.on_events(parse_chunk(parser, chunk))
+                if builder.stream:
+                    out = builder.take()
+                    if out:
+                        yield out
+        pinned = ctx.worker
+        if not parser.output_tokens and first is None:
+            builder.on_events(parser.finish())
+        plan.input_tokens += usage.input_tokens or len(prepared.input_ids)
+        plan.output_tokens += usage.output_tokens
+        plan.cached_tokens += usage.cached_tokens
+        plan.reasoning_tokens += parser.reasoning_tokens
+        plan.generated.extend(_generated_messages(parser))
+        if loop is None:
+            return
+
+        # Run this turn's calls in order; the builder holds later output until each call is reported.
+        while builder.awaiting is not None:
+            slot = builder.awaiting
+            slot.outcome = await loop.execute(slot.decision, slot.msg.text)
+            builder.complete_tool(slot, slot.outcome.output, slot.outcome.error)
+            if builder.stream:
+                out = builder.take()
+                if out:
+                    yield out
+        slots, builder.tool_slots = builder.tool_slots, []
+        if plan.finish_reason == "length" or not slots:
+            return
+        results: list[Msg] = []
+        approval = over_limit = False
+        for slot in slots:
+            if slot.cut or slot.decision is None:
+                continue
+            channel = slot.msg.channel or "commentary"
+            if slot.decision.kind == APPROVAL:
+                approval = True
+            elif slot.decision.kind == OVER_LIMIT:
+                over_limit = True
+                results.append(tool_result(slot.decision.recipient, loop.limit_text(), channel=channel))
+            elif slot.outcome is not None:
+                results.append(tool_result(slot.decision.recipient, slot.outcome.model_text, channel=channel))
+        plan.generated.extend(results)
+        if approval or not results or any(m.kind == tp.FUNCTION_CALL for m in parser.messages):
+            return
+        if over_limit:
+            plan.limit_turns += 1
+            if plan.limit_turns > 1:
+                plan.incomplete_reason = "max_tool_calls"
+                return
+        remaining = remaining_budget(plan)
+        if remaining is not None and remaining <= 0:
+            plan.finish_reason = "length"
+            return
+        try:
+            await render_turn(state, plan)
+        except InvalidRequest as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            plan.finish_reason = "length"  # the conversation outgrew the context: as a length stop
+            return
 
 
-def _account(plan: ResponsePlan, chunk: Any) -> None:
-    if chunk.prompt_tokens:
-        plan.input_tokens = chunk.prompt_tokens
-    if chunk.completion_tokens:
-        plan.output_tokens = chunk.completion_tokens
-    if chunk.cached_tokens:
-        plan.cached_tokens = chunk.cached_tokens
-    if chunk.finished:
-        plan.finish_reason = chunk.finish_reason
+@dataclass(slots=True)
+class _Usage:
+    """One iteration's engine counts (cumulative within an engine request)."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    def account(self, plan: ResponsePlan, chunk: Any) -> None:
+        if chunk.prompt_tokens:
+            self.input_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens:
+            self.output_tokens = chunk.completion_tokens
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+        if chunk.finished:
+            plan.finish_reason = chunk.finish_reason
 
 
-def _finish(plan: ResponsePlan, builder: ResponseBuilder) -> dict[str, Any]:
-    builder.usage = usage_of(
-        plan.input_tokens or len(plan.prepared.input_ids),
-        plan.output_tokens,
-        plan.reasoning_tokens,
-        plan.cached_tokens,
-    )
+def _finish(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> dict[str, Any]:
+    builder.usage = usage_of(plan.input_tokens, plan.output_tokens, plan.reasoning_tokens, plan.cached_tokens)
+    if plan.uses_tools:
+        _observe_iterations(state, plan)
     if plan.finish_reason == "length":
         return builder.finish("incomplete", incomplete_reason="max_output_tokens")
+    if plan.incomplete_reason is not None:
+        return builder.finish("incomplete", incomplete_reason=plan.incomplete_reason)
     return builder.finish("completed")
+
+
+def _observe_iterations(state: GatewayState, plan: ResponsePlan) -> None:
+    metrics = state.metrics
+    if metrics is not None and hasattr(metrics, "mcp_iterations"):
+        metrics.mcp_iterations.labels(plan.prepared.group.name).observe(plan.iterations)
 
 
 def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = False) -> StoredResponse:
@@ -324,7 +598,7 @@ def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = Fals
         previous_response_id=plan.request.previous_response_id,
         conversation_id=plan.conversation_id,
         background=background,
-        request=plan.request.model_dump(exclude_none=True),
+        request=dict(plan.request.model_dump(exclude_none=True), tools=redacted_tools(plan.request.tools)),
         metadata=metadata,
     )
 
@@ -349,21 +623,33 @@ async def persist(
 async def run_responses(
     state: GatewayState, req: ResponsesRequest, ctx: RequestContext
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    # 1) prepare: items, chain or conversation, Harmony prompt
+    # 1) prepare: items, chain or conversation, tools connected and listed
     plan = await prepare_responses(state, req, ctx)
-    ctx.prompt_tokens = len(plan.prepared.input_ids)
-    if req.background:
-        return await start_background(state, plan, ctx)
-    # 2) select, 3) build, 4) dispatch: wait for the first chunk so early failures are HTTP errors.
-    # A non-stream response takes the engine's output in one message: one gRPC message instead of one
-    # per token, the same tokens.
-    opened = await _open_stream(state, plan.prepared, ctx, stream=req.stream)
-    builder = ResponseBuilder(plan.envelope, stream=req.stream)
+    try:
+        if req.background:
+            return await start_background(state, plan, ctx)
+        builder = ResponseBuilder(plan.envelope, stream=req.stream)
+        if req.stream:
+            builder.start()
+        # tool listings, approved calls, then the Harmony prompt
+        await begin(state, plan, builder)
+        ctx.prompt_tokens = len(plan.prepared.input_ids)
+        # 2) select, 3) build, 4) dispatch: wait for the first chunk so early failures are HTTP errors.
+        # A non-stream response without gateway tools takes the engine's output in one message: one
+        # gRPC message instead of one per token, the same tokens.
+        engine_stream = req.stream or plan.tools is not None
+        opened = await _open_stream(state, plan.prepared, ctx, stream=engine_stream)
+    except BaseException:
+        await plan.close_tools()
+        raise
     if not req.stream:
-        # 5) parse, 6) respond
-        async for _ in generate(state, plan, ctx, builder, opened):
-            pass
-        body = _finish(plan, builder)
+        # 5) parse (and run tools), 6) respond
+        try:
+            async for _ in generate(state, plan, ctx, builder, opened):
+                pass
+        finally:
+            await plan.close_tools()
+        body = _finish(state, plan, builder)
         ctx.completion_tokens = plan.output_tokens
         await persist(state, plan, body)
         return body
@@ -373,12 +659,14 @@ async def run_responses(
 async def _stream(
     state: GatewayState, plan: ResponsePlan, ctx: RequestContext, builder: ResponseBuilder, opened: Any
 ) -> AsyncIterator[bytes]:
-    builder.start()
-    yield builder.take()
     try:
-        async for piece in generate(state, plan, ctx, builder, opened):
-            yield piece
-        body = _finish(plan, builder)
+        yield builder.take()
+        try:
+            async for piece in generate(state, plan, ctx, builder, opened):
+                yield piece
+        finally:
+            await plan.close_tools()
+        body = _finish(state, plan, builder)
         ctx.completion_tokens = plan.output_tokens
         terminal = builder.frames.pop()  # stored before the client hears it is complete
         await persist(state, plan, body)
@@ -417,9 +705,13 @@ async def _run_background(state: GatewayState, plan: ResponsePlan, ctx: RequestC
     builder = ResponseBuilder(plan.envelope, stream=False)
     try:
         await persist_status(state, plan, builder.snapshot("in_progress"))
-        async for _ in generate(state, plan, ctx, builder):
-            pass
-        body = _finish(plan, builder)
+        try:
+            await begin(state, plan, builder)
+            async for _ in generate(state, plan, ctx, builder):
+                pass
+        finally:
+            await plan.close_tools()
+        body = _finish(state, plan, builder)
         await persist(state, plan, body, background=True)
     except BaseException as exc:
         import asyncio

@@ -211,8 +211,79 @@ def items_to_messages(
                     param=f"{where}.call_id",
                 )
             messages.append(tool_result(name, part_text(item.get("output"))))
-        elif kind in ("mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response"):
+        elif kind in REPLAYED_KINDS:
             if mcp_replay is not None:
                 messages.extend(mcp_replay(item))
-        # web_search_call / code_interpreter_call without a stored result: omitted (REFERENCE §2.4)
+        # web_search_call without a stored result: omitted (REFERENCE §2.4)
     return messages
+
+
+REPLAYED_KINDS = frozenset(
+    {"mcp_call", "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "code_interpreter_call"}
+)
+
+
+class McpReplay:
+    """Maps stored MCP and code-interpreter items back to Harmony messages (REFERENCE §2.4, §5.3); pass an
+    instance as `mcp_replay` to `items_to_messages`. Stateful over one item sequence: a denied
+    `mcp_approval_response` becomes the "declined" tool message of the request it answers.
+
+    - `mcp_list_tools`: nothing (tools are declared from the listing, not replayed as messages)
+    - `mcp_call`: the call (`label.name`, commentary, JSON) and its tool message (output, or the error);
+      a call that followed an approval has only the tool message (the request item carried the call)
+    - `mcp_approval_request`: the call message, awaiting its answer
+    - `mcp_approval_response`: for the current input, the tool message `placeholders` holds (the pipeline
+      fills it in once the call ran); in history, a denial's tool message, else nothing
+    - `code_interpreter_call`: the `python` call (analysis, its code) and its logs as the tool message
+    """
+
+    def __init__(self, placeholders: dict[str, Msg] | None = None) -> None:
+        self.requests: dict[str, dict[str, Any]] = {}
+        self.placeholders = placeholders or {}
+
+    def __call__(self, item: dict[str, Any]) -> list[Msg]:
+        kind = item.get("type")
+        if kind == "mcp_call":
+            recipient = f"{item.get('server_label', '')}.{item.get('name', '')}"
+            error = item.get("error")
+            output = item.get("output")
+            if error:
+                from ..mcp.tool_loop import error_text
+
+                text = f"Error: {error_text(error)}"
+            else:
+                text = output if isinstance(output, str) else ""
+            result = tool_result(recipient, text)
+            if item.get("approval_request_id") in self.requests:
+                return [result]
+            return [assistant_call(recipient, item.get("arguments") or ""), result]
+        if kind == "mcp_approval_request":
+            self.requests[str(item.get("id"))] = item
+            recipient = f"{item.get('server_label', '')}.{item.get('name', '')}"
+            return [assistant_call(recipient, item.get("arguments") or "")]
+        if kind == "mcp_approval_response":
+            request_id = str(item.get("approval_request_id"))
+            if request_id in self.placeholders:
+                return [self.placeholders[request_id]]
+            request = self.requests.get(request_id)
+            if request is not None and item.get("approve") is False:
+                from ..mcp.approval import declined_text
+
+                recipient = f"{request.get('server_label', '')}.{request.get('name', '')}"
+                reason = item.get("reason")
+                return [tool_result(recipient, declined_text(reason if isinstance(reason, str) else None))]
+            return []
+        if kind == "code_interpreter_call":
+            code = item.get("code")
+            if not isinstance(code, str) or not code:
+                return []
+            logs = "\n".join(
+                str(o.get("logs", ""))
+                for o in item.get("outputs") or ()
+                if isinstance(o, dict) and o.get("type") == "logs"
+            )
+            return [
+                assistant_call("python", code, channel="analysis", content_type="code"),
+                tool_result("python", logs, channel="analysis"),
+            ]
+        return []

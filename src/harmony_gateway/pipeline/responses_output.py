@@ -5,7 +5,9 @@ the terminal event, so the pairing/stack invariant holds on every path, failures
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -20,6 +22,42 @@ def frame(event: dict[str, Any]) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + _dumps(event) + b"\n\n"
 
 
+_NOT_COMPLETED = {"type": "http_error", "code": 499, "message": "the call was not completed"}
+_CUT = {"type": "mcp_protocol_error", "code": -32602, "message": "generation stopped inside the call"}
+
+
+@dataclass(eq=False, slots=True)
+class ToolSlot:
+    """A gateway-executed tool call of the model and its output item (None until the item is reported).
+
+    `decision` comes from the tool loop (`mcp.tool_loop.Decision`); `outcome` is set once it ran."""
+
+    msg: Any
+    decision: Any
+    item: dict[str, Any] | None = None
+    index: int = -1
+    outcome: Any = None
+    cut: bool = False  # generation stopped inside the call: never executed
+
+
+def browser_action(recipient: str, arguments: str) -> dict[str, Any]:
+    """The `action` of a web_search_call item, from the browser call's JSON arguments."""
+    try:
+        args = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        args = {}
+    if not isinstance(args, dict):
+        args = {}
+    tool = recipient.partition(".")[2]
+    if tool == "open":
+        target = args.get("id")
+        return {"type": "open_page", "url": target if isinstance(target, str) else None}
+    if tool == "find":
+        return {"type": "find_in_page", "pattern": str(args.get("pattern", "")), "url": ""}
+    query = args.get("query")
+    return {"type": "search", "query": query if isinstance(query, str) else ""}
+
+
 class ResponseBuilder:
     """Accumulates one response's output items and, when streaming, its SSE frames."""
 
@@ -31,6 +69,15 @@ class ResponseBuilder:
         self._open: dict[int, tuple[dict[str, Any], int]] = {}  # id(msg) -> (item, output_index)
         self.frames: list[bytes] = []
         self.usage: dict[str, Any] | None = None
+        #: The request's tool loop (`mcp.tool_loop.ToolLoop`), which decides how tool calls are reported.
+        self.tools: Any = None
+        #: Tool calls of the current model turn, in order; the pipeline drains them after each turn.
+        self.tool_slots: list[ToolSlot] = []
+        #: A call whose item stays open until the gateway has run it. Parser events that arrive meanwhile
+        #: are held and replayed when it completes, so items never interleave on the stream.
+        self.awaiting: ToolSlot | None = None
+        self._held: list[tp.Event] = []
+        self._slots: dict[int, ToolSlot] = {}
 
     # -- framing ----------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -78,10 +125,17 @@ class ResponseBuilder:
         return index
 
     def on_events(self, events: list[tp.Event]) -> None:
-        for etype, msg, text in events:
+        for n, event in enumerate(events):
+            if self.awaiting is not None:
+                self._held.extend(events[n:])
+                return
+            etype, msg, text = event
             kind = msg.kind
-            if kind == tp.DROPPED or kind == tp.TOOL_CALL:
-                continue  # tool calls executed by the gateway are reported by the tool loop
+            if kind == tp.DROPPED:
+                continue
+            if kind == tp.TOOL_CALL:
+                self._tool_event(etype, msg, text)
+                continue
             key = id(msg)
             if etype == tp.START:
                 self._start(key, msg)
@@ -239,8 +293,258 @@ class ResponseBuilder:
 
     def close_open(self, status: str = "incomplete") -> None:
         """Close every open item (failure or cut): keeps the event stack balanced."""
+        self._held.clear()
+        if self.awaiting is not None:
+            slot, self.awaiting = self.awaiting, None
+            self._close_tool(slot, None, _NOT_COMPLETED, "incomplete")
+        for slot in list(self._slots.values()):
+            if slot.item is not None and slot.item.get("status") in (
+                "in_progress",
+                "interpreting",
+                "searching",
+            ):
+                self._close_tool(slot, None, _NOT_COMPLETED, "incomplete")
+        self._slots.clear()
         for key in list(self._open):
             self._done(key, status)
+
+    # -- gateway-executed tool calls --------------------------------------------------------------
+    def add_list_tools(self, item: dict[str, Any]) -> int:
+        """Report an `mcp_list_tools` item with its in_progress/completed (or failed) events."""
+        index = len(self.output)
+        self.output.append(item)
+        self.emit({"type": "response.output_item.added", "output_index": index, "item": dict(item, tools=[])})
+        self.emit(
+            {"type": "response.mcp_list_tools.in_progress", "item_id": item["id"], "output_index": index}
+        )
+        ending = "failed" if item.get("error") else "completed"
+        self.emit({"type": f"response.mcp_list_tools.{ending}", "item_id": item["id"], "output_index": index})
+        self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
+        return index
+
+    def _tool_event(self, etype: int, msg: tp.ParsedMessage, text: str | None) -> None:
+        key = id(msg)
+        if etype == tp.START:
+            decision = self.tools.decide(msg.name or "") if self.tools is not None else None
+            slot = ToolSlot(msg, decision)
+            self._slots[key] = slot
+            self.tool_slots.append(slot)
+            if decision is not None and decision.kind == "execute":
+                if decision.item == "mcp_call":
+                    self._open_mcp_call(slot, decision.server.label if decision.server else "", decision.tool)
+                elif decision.item == "code_interpreter_call":
+                    self._open_code_call(slot)
+            return
+        slot = self._slots.get(key)
+        if slot is None:
+            return
+        item = slot.item
+        if etype == tp.DELTA:
+            if item is None or not text:
+                return
+            if item["type"] == "mcp_call":
+                item["arguments"] += text
+                self.emit(
+                    {
+                        "type": "response.mcp_call_arguments.delta",
+                        "item_id": item["id"],
+                        "output_index": slot.index,
+                        "delta": text,
+                    }
+                )
+            elif item["type"] == "code_interpreter_call":
+                item["code"] += text
+                self.emit(
+                    {
+                        "type": "response.code_interpreter_call_code.delta",
+                        "item_id": item["id"],
+                        "output_index": slot.index,
+                        "delta": text,
+                    }
+                )
+            return
+        # DONE
+        decision = slot.decision
+        if not msg.terminated:
+            slot.cut = True
+            if item is not None:
+                self._end_arguments(slot)
+                self._close_tool(slot, None, _CUT, "incomplete")
+            self._slots.pop(key, None)
+            return
+        if decision is None:
+            self._slots.pop(key, None)
+            return
+        if decision.kind == "approval":
+            from ..mcp.approval import approval_request_item
+            from .responses_input import new_id as mint
+
+            server = decision.server.label if decision.server else ""
+            slot.item = approval_request_item(mint("mcpr"), server, decision.tool, msg.text)
+            slot.index = self.add_item(slot.item)
+            self._slots.pop(key, None)
+            return
+        if decision.kind != "execute":
+            self._slots.pop(key, None)
+            return
+        if decision.item == "web_search_call":
+            slot.item = {
+                "type": "web_search_call",
+                "id": new_id("ws"),
+                "status": "in_progress",
+                "action": browser_action(msg.name or "", msg.text),
+            }
+            slot.index = self.open_item(slot.item)
+            self.emit(
+                {
+                    "type": "response.web_search_call.in_progress",
+                    "item_id": slot.item["id"],
+                    "output_index": slot.index,
+                }
+            )
+            self.emit(
+                {
+                    "type": "response.web_search_call.searching",
+                    "item_id": slot.item["id"],
+                    "output_index": slot.index,
+                }
+            )
+        else:
+            self._end_arguments(slot)
+        self.awaiting = slot
+
+    def _open_mcp_call(
+        self, slot: ToolSlot, server_label: str, name: str, approval_request_id: str | None = None
+    ) -> None:
+        item: dict[str, Any] = {
+            "type": "mcp_call",
+            "id": new_id("mcp"),
+            "server_label": server_label,
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        if approval_request_id is not None:
+            item["approval_request_id"] = approval_request_id
+        slot.item = item
+        slot.index = self.open_item(item)
+        self.emit(
+            {"type": "response.mcp_call.in_progress", "item_id": item["id"], "output_index": slot.index}
+        )
+
+    def _open_code_call(self, slot: ToolSlot) -> None:
+        server = slot.decision.server
+        item = {
+            "type": "code_interpreter_call",
+            "id": new_id("ci"),
+            "container_id": f"mcp:{server.label}" if server is not None else "mcp",
+            "code": "",
+            "outputs": None,
+            "status": "in_progress",
+        }
+        slot.item = item
+        slot.index = self.open_item(item)
+        self.emit(
+            {
+                "type": "response.code_interpreter_call.in_progress",
+                "item_id": item["id"],
+                "output_index": slot.index,
+            }
+        )
+
+    def _end_arguments(self, slot: ToolSlot) -> None:
+        item = slot.item
+        assert item is not None
+        if item["type"] == "mcp_call":
+            self.emit(
+                {
+                    "type": "response.mcp_call_arguments.done",
+                    "item_id": item["id"],
+                    "output_index": slot.index,
+                    "arguments": item["arguments"],
+                }
+            )
+        elif item["type"] == "code_interpreter_call":
+            self.emit(
+                {
+                    "type": "response.code_interpreter_call_code.done",
+                    "item_id": item["id"],
+                    "output_index": slot.index,
+                    "code": item["code"],
+                }
+            )
+            self.emit(
+                {
+                    "type": "response.code_interpreter_call.interpreting",
+                    "item_id": item["id"],
+                    "output_index": slot.index,
+                }
+            )
+            item["status"] = "interpreting"
+
+    def open_approved_call(
+        self, server_label: str, name: str, arguments: str, approval_request_id: str
+    ) -> ToolSlot:
+        """Report a call the user approved in this request (it runs before the model's next turn)."""
+        slot = ToolSlot(None, None)
+        self._open_mcp_call(slot, server_label, name, approval_request_id)
+        assert slot.item is not None
+        slot.item["arguments"] = arguments
+        self.emit(
+            {
+                "type": "response.mcp_call_arguments.delta",
+                "item_id": slot.item["id"],
+                "output_index": slot.index,
+                "delta": arguments,
+            }
+        )
+        self._end_arguments(slot)
+        return slot
+
+    def complete_tool(self, slot: ToolSlot, output: str | None, error: dict[str, Any] | None) -> None:
+        """Close the call's item with its result, then replay parser events held while it ran."""
+        if self.awaiting is slot:
+            self.awaiting = None
+        if slot.msg is not None:
+            self._slots.pop(id(slot.msg), None)
+        self._close_tool(slot, output, error, "failed" if error is not None else "completed")
+        held, self._held = self._held, []
+        if held:
+            self.on_events(held)
+
+    def _close_tool(
+        self, slot: ToolSlot, output: str | None, error: dict[str, Any] | None, status: str
+    ) -> None:
+        item = slot.item
+        if item is None or item.get("status") not in ("in_progress", "interpreting", "searching"):
+            return
+        item_id, index = item["id"], slot.index
+        kind = item["type"]
+        if kind == "mcp_call":
+            item["output"] = output
+            item["error"] = dict(error) if error is not None else None
+            item["status"] = status
+            ending = "completed" if status == "completed" else "failed"
+            self.emit({"type": f"response.mcp_call.{ending}", "item_id": item_id, "output_index": index})
+        elif kind == "web_search_call":
+            item["status"] = status
+            self.emit(
+                {"type": "response.web_search_call.completed", "item_id": item_id, "output_index": index}
+            )
+        elif kind == "code_interpreter_call":
+            from ..mcp.tool_loop import error_text
+
+            text = output if output is not None else error_text(error)
+            item["outputs"] = [{"type": "logs", "logs": text}] if text else []
+            item["status"] = status
+            self.emit(
+                {
+                    "type": "response.code_interpreter_call.completed",
+                    "item_id": item_id,
+                    "output_index": index,
+                }
+            )
+        self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
 
     # -- terminal ---------------------------------------------------------------------------------
     def finish(

@@ -24,6 +24,12 @@ Triggers in the last user message exercise edge cases (`TRIGGERS`):
 closed with `<|end|>` and then `<|return|>` (vllm#50690); `[[refusal]]` a `<|channel|>final` header with no
 `<|message|>` (openai/harmony#80); `[[junk]]` output that is not Harmony at all; `[[two_calls]]` two call
 messages, the first closed with `<|end|>` (calls the first two named tools, or the one named tool twice).
+Tool loops (variants of rule 1, after a tool result): `[[sequence]]` calls the next named tool not yet
+called since the last user message (then answers); `[[repeat]]` calls the first named tool again unless the
+last tool output mentions `max_tool_calls` (a model obeying the gateway's limit message); `[[stubborn]]`
+calls it again regardless; `[[bad_json]]` writes a call's arguments as invalid JSON. A `## python` section
+of the system message declares the built-in `python` tool, called as `analysis to=python code` with
+`print("WORD")`.
 Choice i > 0 of an n > 1 request carries ` (choice i)` in its text. `output_tokens` pads or trims the
 analysis and final text so the whole reply has that many tokens when the fixed parts allow it.
 
@@ -51,6 +57,10 @@ TRIGGERS: tuple[str, ...] = (
     "[[refusal]]",
     "[[junk]]",
     "[[two_calls]]",
+    "[[sequence]]",
+    "[[repeat]]",
+    "[[stubborn]]",
+    "[[bad_json]]",
 )
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TERMINATORS = frozenset({END, CALL, RETURN})
@@ -90,7 +100,12 @@ class ToolSpec:
 
     @property
     def recipient(self) -> str:
-        return f"{self.namespace}.{self.name}"
+        # A freeform built-in (`python`) is a namespace without tools: its recipient is the bare name.
+        return self.namespace if self.freeform else f"{self.namespace}.{self.name}"
+
+    @property
+    def freeform(self) -> bool:
+        return self.name == self.namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +122,8 @@ class PromptSummary:
     tools: tuple[ToolSpec, ...] = ()
     #: Channel of an assistant message the prompt leaves open (rule 4), else "".
     open_channel: str = ""
+    #: Recipients of the assistant's tool calls since the last user message, in order.
+    called: tuple[str, ...] = ()
 
     @property
     def triggers(self) -> frozenset[str]:
@@ -114,12 +131,16 @@ class PromptSummary:
 
 
 def parse_tool_namespaces(text: str, *, builtin: bool = False) -> tuple[ToolSpec, ...]:
-    """Tools of every `namespace NS { ... } // namespace NS` block in a rendered system/developer text."""
-    return tuple(
+    """Tools of every `namespace NS { ... } // namespace NS` block in a rendered system/developer text,
+    plus the freeform `python` built-in when a system text has a `## python` section."""
+    tools = tuple(
         ToolSpec(ns_match.group(1), tool_match.group(1), _parse_params(tool_match.group(2)), builtin)
         for ns_match in _NAMESPACE_RE.finditer(text)
         for tool_match in _TOOL_RE.finditer(ns_match.group(2))
     )
+    if builtin and "\n## python\n" in text:
+        tools += (ToolSpec("python", "python", (), True),)
+    return tools
 
 
 def _parse_params(signature: str) -> tuple[ToolParam, ...]:
@@ -213,6 +234,14 @@ def mentioned_tools(tools: Sequence[ToolSpec], user_text: str) -> list[ToolSpec]
             found.append((match.start(), order, tool))
     found.sort(key=lambda item: (item[0], item[1]))
     return [tool for _, _, tool in found]
+
+
+def _recipient_of(header: str) -> str:
+    """The `to=` recipient of a decoded message header, or ""."""
+    at = header.find(" to=")
+    if at < 0:
+        return ""
+    return header[at + 4 :].split("<|", 1)[0].split(" ", 1)[0].strip()
 
 
 def echo_reply(input_ids: Sequence[int], eos_token_id: int, limit: int = 32) -> list[int]:
@@ -387,6 +416,7 @@ class HarmonyScript:
         tool_author = ""
         tool_output = ""
         open_channel = ""
+        called: list[str] = []
         for n, start in enumerate(starts):
             end = starts[n + 1] if n + 1 < len(starts) else len(ids)
             segment = ids[start + 1 : end]
@@ -407,18 +437,26 @@ class HarmonyScript:
             elif author == "user":
                 last_user = decode(content)
                 last_role = "user"
+                called.clear()
+            elif author == "assistant":
+                recipient = _recipient_of(header)
+                if recipient:
+                    called.append(recipient)
             elif author not in _ROLES and author:
                 last_role = "tool"
                 tool_author = author
                 tool_output = decode(content)
-        return PromptSummary(last_role, last_user, tool_author, tool_output, tuple(tools), open_channel)
+        return PromptSummary(
+            last_role, last_user, tool_author, tool_output, tuple(tools), open_channel, tuple(called)
+        )
 
     def _declared_tools(self, builtin: bool, content: list[int]) -> tuple[ToolSpec, ...]:
         key = (builtin, tuple(content))
         cached = self._tools.get(key)
         if cached is None:
             text = self._encoding.decode(content)
-            cached = parse_tool_namespaces(text, builtin=builtin) if "namespace " in text else ()
+            declares = "namespace " in text or (builtin and "## python" in text)
+            cached = parse_tool_namespaces(text, builtin=builtin) if declares else ()
             self._tools[key] = cached
             if len(self._tools) > self._cache_size:
                 self._tools.popitem(last=False)
@@ -437,6 +475,15 @@ class HarmonyScript:
             draft.fixed([RETURN])
             return draft.finish(self._output_tokens)
         if summary.last_role == "tool":
+            follow_up = self._follow_up_tool(summary, user, triggers)
+            if follow_up is not None:
+                self._analysis(
+                    draft,
+                    f"The tool {summary.tool_author} returned. I will call {follow_up.recipient}.{suffix}",
+                    triggers,
+                )
+                self._call(draft, follow_up, user, CALL, bad_json="[[bad_json]]" in triggers)
+                return draft.finish(self._output_tokens)
             output = " ".join(summary.tool_output.split())[:_TOOL_OUTPUT_QUOTE]
             self._analysis(
                 draft, f"The tool {summary.tool_author} returned a result. I will relay it.", triggers
@@ -465,7 +512,7 @@ class HarmonyScript:
                 self._analysis(
                     draft, f"The user mentioned {tool.name}. I will call {tool.recipient}.{suffix}", triggers
                 )
-                self._call(draft, tool, user, CALL)
+                self._call(draft, tool, user, CALL, bad_json="[[bad_json]]" in triggers)
             return draft.finish(self._output_tokens)
         words = len(user.split())
         noun = "word" if words == 1 else "words"
@@ -493,7 +540,29 @@ class HarmonyScript:
         draft.text(self._encode(text), _FINAL_FILLER)
         draft.fixed([END, RETURN] if "[[trailing]]" in triggers else [RETURN])
 
-    def _call(self, draft: _Draft, tool: ToolSpec, user: str, terminator: int) -> None:
+    def _follow_up_tool(self, summary: PromptSummary, user: str, triggers: frozenset[str]) -> ToolSpec | None:
+        """The tool to call after a tool result under the tool-loop triggers, or None to answer."""
+        named = mentioned_tools(summary.tools, user)
+        if not named:
+            return None
+        if "[[sequence]]" in triggers:
+            return next((t for t in named if t.recipient not in summary.called), None)
+        if "[[stubborn]]" in triggers:
+            return named[0]
+        if "[[repeat]]" in triggers and "max_tool_calls" not in summary.tool_output:
+            return named[0]
+        return None
+
+    def _call(
+        self, draft: _Draft, tool: ToolSpec, user: str, terminator: int, *, bad_json: bool = False
+    ) -> None:
+        if tool.freeform:
+            draft.fixed(
+                _special(f"<|start|>assistant<|channel|>analysis to={tool.recipient} code<|message|>")
+            )
+            draft.fixed(self._encode(f"print({json.dumps(argument_word(user))})"))
+            draft.fixed([terminator])
+            return
         channel = "analysis" if tool.builtin else "commentary"
         draft.fixed(
             _special(
@@ -501,6 +570,8 @@ class HarmonyScript:
             )
         )
         arguments = json.dumps(build_arguments(tool, user), separators=(",", ":"), ensure_ascii=False)
+        if bad_json:
+            arguments = arguments[:-1] if len(arguments) > 2 else "{not json"
         draft.fixed(self._encode(arguments))
         draft.fixed([terminator])
 

@@ -1,0 +1,112 @@
+"""The MCP approval flow (REFERENCE §5.5): which calls need the user's approval, the
+`mcp_approval_request` item that asks for it, and the `mcp_approval_response` items that answer it.
+
+OpenAI's rule: a request-declared server requires approval unless `require_approval` says `never` (for
+every tool, or for the tool by name or by its read-only annotation). A call that needs approval is not
+run: the response ends with the request item; a later request carrying `mcp_approval_response` (with
+`previous_response_id` or the whole conversation) runs it or tells the model the user declined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidRequest
+from .client import McpTool
+
+
+def _names(rule: Any) -> tuple[set[str], bool]:
+    if not isinstance(rule, dict):
+        return set(), False
+    names = rule.get("tool_names") or []
+    return {n for n in names if isinstance(n, str)}, bool(rule.get("read_only"))
+
+
+def validate_policy(policy: Any, *, param: str) -> None:
+    if policy is None or policy in ("always", "never"):
+        return
+    if not isinstance(policy, dict) or not set(policy) <= {"always", "never"}:
+        raise InvalidRequest(
+            "require_approval must be 'always', 'never' or {always: {tool_names}, never: {tool_names}}",
+            param=param,
+        )
+
+
+def needs_approval(policy: Any, tool: McpTool | None, name: str) -> bool:
+    """True unless the policy exempts this tool (no policy at all: approval required, as OpenAI does)."""
+    if policy == "never":
+        return False
+    if policy is None or policy == "always" or not isinstance(policy, dict):
+        return True
+    read_only = tool.read_only if tool is not None else False
+    never, never_read_only = _names(policy.get("never"))
+    always, always_read_only = _names(policy.get("always"))
+    if name in always or (always_read_only and read_only):
+        return True
+    return not (name in never or (never_read_only and read_only))
+
+
+def approval_request_item(item_id: str, server_label: str, name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "type": "mcp_approval_request",
+        "id": item_id,
+        "server_label": server_label,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalDecision:
+    """An `mcp_approval_response` matched with the request it answers."""
+
+    request: dict[str, Any]
+    approve: bool
+    reason: str | None
+    position: int  # index of the response among this request's input items
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request["id"])
+
+
+def match_approvals(
+    items: list[dict[str, Any]], known: Iterable[dict[str, Any]], *, param: str = "input"
+) -> list[ApprovalDecision]:
+    """Pair each `mcp_approval_response` of `items` with an earlier `mcp_approval_request` of the chain or
+    conversation (`known`), or of `items` itself. Unknown or already answered ids are 400."""
+    requests: dict[str, dict[str, Any]] = {}
+    answered: set[str] = set()
+    for item in (*known, *items):
+        kind = item.get("type")
+        if kind == "mcp_approval_request" and isinstance(item.get("id"), str):
+            requests[item["id"]] = item
+    for item in known:
+        if item.get("type") == "mcp_approval_response":
+            answered.add(str(item.get("approval_request_id")))
+        elif item.get("type") == "mcp_call" and item.get("approval_request_id"):
+            answered.add(str(item["approval_request_id"]))
+    decisions = []
+    for i, item in enumerate(items):
+        if item.get("type") != "mcp_approval_response":
+            continue
+        where = f"{param}[{i}].approval_request_id"
+        request_id = item["approval_request_id"]
+        request = requests.get(request_id)
+        if request is None:
+            raise InvalidRequest(f"No mcp_approval_request found with id {request_id!r}", param=where)
+        if request_id in answered:
+            raise InvalidRequest(f"The approval request {request_id!r} was already answered", param=where)
+        answered.add(request_id)
+        reason = item.get("reason")
+        decisions.append(
+            ApprovalDecision(request, item["approve"], reason if isinstance(reason, str) else None, i)
+        )
+    return decisions
+
+
+def declined_text(reason: str | None) -> str:
+    text = "The user declined to run this tool call; it was not executed."
+    return f"{text} Reason: {reason}" if reason else text
