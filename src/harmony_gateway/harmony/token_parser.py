@@ -14,9 +14,10 @@ refusals without `<|message|>` (harmony#80), bare recipients. Output that is not
 
 from __future__ import annotations
 
+import functools
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamableParser, StreamState
 
@@ -54,6 +55,7 @@ _ROLE_WORD = re.compile(r"[^\s<]*")
 _HEADER_WORD = re.compile(r"\s*(\S+)")
 _STATE_CONTENT = StreamState.CONTENT
 _STATE_EXPECT_START = StreamState.EXPECT_START
+_TERMINATORS = frozenset({END, CALL, RETURN})
 
 
 def new_call_id() -> str:
@@ -178,7 +180,8 @@ class HarmonyOutputParser:
         function_names: frozenset[str] = frozenset(),
         tool_namespaces: frozenset[str] = frozenset(),
     ) -> None:
-        self._parser = StreamableParser(encoding, Role.ASSISTANT, strict=False)
+        # Built on first use (~135 µs): a whole output in canonical shape never needs it (`parse_complete`).
+        self._streamable: StreamableParser | None = None
         self._encoding = encoding
         self._functions = function_names
         self._namespaces = tool_namespaces
@@ -259,7 +262,56 @@ class HarmonyOutputParser:
         if self._completed == 0:
             raise UpstreamBadOutput(f"the model output is not valid Harmony ({reason})")
 
+    @property
+    def _parser(self) -> StreamableParser:
+        parser = self._streamable
+        if parser is None:
+            parser = self._streamable = StreamableParser(self._encoding, Role.ASSISTANT, strict=False)
+        return parser
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing was fed yet."""
+        return self.output_tokens == 0 and not self._halted
+
     # -- feeding ---------------------------------------------------------------------------------
+    def parse_complete(self, token_ids: Sequence[int], stop_token: int | None) -> list[Event] | None:
+        """Parse a whole output at once (a non-stream engine reply) without openai-harmony, when it has the
+        canonical shape: messages `[<|start|>assistant]<|channel|>analysis|commentary|final<|message|>TEXT`,
+        each ended by `<|end|>` (then another message) or by `<|return|>`/`<|call|>` as the last token, the
+        last one possibly open (cut by length, or its stop token stripped: then `stop_token` closes it),
+        and the text valid UTF-8. Returns None for anything else, with the parser untouched, so the caller
+        feeds the tokens as usual; otherwise the same messages, counts and (merged) deltas as
+        `feed(token_ids)`, `feed([stop_token])` when the last message is open, and `finish()` would give
+        (proven by tests/harmony/test_token_parser_fast_path.py). The parser is finished afterwards."""
+        if not self.fresh:
+            return None
+        spans = _canonical_spans(self._encoding, token_ids, stop_token)
+        if spans is None:
+            return None
+        decode = self._encoding.decode_utf8
+        texts = []
+        for _, _, content_start, content_end, _ in spans:
+            try:
+                texts.append(decode(token_ids[content_start:content_end]))
+            except HarmonyError:
+                return None  # invalid or partial characters: openai-harmony decides what to show
+        events: list[Event] = []
+        for (channel, header_start, content_start, content_end, terminator), text in zip(
+            spans, texts, strict=True
+        ):
+            msg = self.classify(channel, None, "assistant")
+            msg.tokens = content_start - header_start
+            self._start(msg, events)
+            if text:
+                msg.parts.append(text)
+                events.append((DELTA, msg, text))
+            msg.tokens += content_end - content_start + (terminator is not None)
+            self._close(text, terminator, events)
+        last = spans[-1]
+        self.output_tokens = len(token_ids) + (last[4] is not None and last[3] == len(token_ids))
+        return events
+
     def feed(self, token_ids: Iterable[int]) -> list[Event]:
         events: list[Event] = []
         if self._halted:
@@ -391,6 +443,62 @@ class HarmonyOutputParser:
     def in_message(self) -> bool:
         """A message (or a header) is open: a stop token the engine stripped still has to close it."""
         return self._open is not None or bool(self._header_ids)
+
+
+@functools.cache
+def _header_words(encoding: HarmonyEncoding) -> tuple[tuple[int, ...], dict[tuple[int, ...], str]]:
+    """Token ids of the role word `assistant` and of the three channel names, as the model writes them."""
+    channels = {tuple(encoding.encode(name, allowed_special="all")): name for name in _CHANNELS}
+    return tuple(encoding.encode("assistant", allowed_special="all")), channels
+
+
+_CHANNELS = ("analysis", "commentary", "final")
+
+
+def _canonical_spans(
+    encoding: HarmonyEncoding, ids: Sequence[int], stop_token: int | None
+) -> list[tuple[str, int, int, int, int | None]] | None:
+    """(channel, header start, content start, content end, terminator) per message of an output in
+    canonical shape (see `HarmonyOutputParser.parse_complete`), or None."""
+    assistant, channels = _header_words(encoding)
+    n = len(ids)
+    spans: list[tuple[str, int, int, int, int | None]] = []
+    pos = 0
+    while pos < n:
+        start = pos
+        if spans:  # later messages open with <|start|>assistant
+            if ids[pos] != START_TOKEN:
+                return None
+            pos += 1
+            role_end = pos + len(assistant)
+            if tuple(ids[pos:role_end]) != assistant:
+                return None
+            pos = role_end
+        if pos >= n or ids[pos] != CHANNEL:
+            return None
+        pos += 1
+        header_end = pos
+        while header_end < n and ids[header_end] < FIRST_SPECIAL_ID:
+            header_end += 1
+        if header_end >= n or ids[header_end] != MESSAGE:
+            return None
+        channel = channels.get(tuple(ids[pos:header_end]))
+        if channel is None:
+            return None
+        content_start = header_end + 1
+        end = content_start
+        while end < n and ids[end] < FIRST_SPECIAL_ID:
+            end += 1
+        if end == n:  # open at the end of the output
+            terminator = stop_token if stop_token in (CALL, RETURN) else None
+            spans.append((channel, start, content_start, end, terminator))
+            return spans
+        terminator = ids[end]
+        if terminator not in _TERMINATORS or (terminator != END and end + 1 != n):
+            return None
+        spans.append((channel, start, content_start, end, terminator))
+        pos = end + 1
+    return spans or None
 
 
 __all__ = [

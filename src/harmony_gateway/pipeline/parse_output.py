@@ -27,7 +27,17 @@ TOOL_ARGS = 3
 
 def parse_chunk(parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> list[tp.Event]:
     """Feed one engine chunk; on the choice's last chunk also close the output: feed a stop token the
-    engine stripped (so the last message ends as generated), then close anything unterminated."""
+    engine stripped (so the last message ends as generated), then close anything unterminated. A whole
+    output in one chunk (non-stream) takes the parser's pure-Python path when it has the canonical shape."""
+    if chunk.finished and chunk.token_ids and parser.fresh:
+        events = parser.parse_complete(chunk.token_ids, chunk.matched_stop_token)
+        if events is not None:
+            return events
+    return feed_chunk(parser, chunk)
+
+
+def feed_chunk(parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> list[tp.Event]:
+    """`parse_chunk` token by token through openai-harmony's StreamableParser."""
     events = parser.feed(chunk.token_ids) if chunk.token_ids else []
     if chunk.finished:
         stop_token = chunk.matched_stop_token
