@@ -529,3 +529,16 @@ async def test_tool_metrics_recorded(mcp_gateway, mc, docs) -> None:
     assert 'gateway_mcp_tool_calls_total{outcome="success",server="docs",tool="lookup_user"}' in text
     assert "gateway_mcp_iterations_bucket" in text
     assert "gateway_mcp_tool_duration_seconds_count" in text
+
+
+async def test_two_calls_in_one_turn_are_reported_in_order(mc, sim, docs) -> None:
+    """Output after a call is held until the call's item is complete, so items never interleave."""
+    events, final = await collect(
+        mc, model=MODEL, input="[[two_calls]] search_docs and lookup_user for zed", tools=[docs_tool(docs)]
+    )
+    calls = [i for i in final.output if i.type == "mcp_call"]
+    assert [c.name for c in calls] == ["search_docs", "lookup_user"]
+    assert all(c.status == "completed" for c in calls)
+    assert calls[1].output == "User zed is an administrator."
+    second = prompt_of(sim.requests[-1])
+    assert second.index("Docs result for zed") < second.index("User zed is an administrator")
