@@ -60,6 +60,8 @@ class FakeUpstream:
     long_text: str = ""
     chunk_sizes: tuple[int, ...] = CHUNK_SIZES
     slow_seconds: float = 5.0
+    #: Pause between events, so the gateway reads them one by one (it merges what arrives together).
+    pause: float = 0.001
     url: str = ""
 
     def script(self, text: str) -> str:
@@ -144,6 +146,7 @@ class FakeUpstream:
             else:
                 choice = {"index": 0, "text": piece, "finish_reason": None}
             yield event({"choices": [choice]})
+            await asyncio.sleep(self.pause)
         if fail:
             yield event({"error": {"message": "engine died mid-stream", "code": 500}})
             return

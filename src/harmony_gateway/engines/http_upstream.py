@@ -241,44 +241,63 @@ class HttpUpstreamClient:
         return out
 
     async def _stream(self, response: httpx.Response, api: str) -> AsyncIterator[EngineChunk]:
+        """Events of one network read are parsed together, and the text a choice got in that read is
+        yielded as one chunk: no added latency, and the parser and SSE writer run once per read rather
+        than once per event when the upstream is faster than the gateway."""
         choices: dict[int, _Choice] = {}
         usage: dict[str, Any] = {}
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # comments, `event:` lines and keep-alives
-            payload = line[5:].strip()
-            if payload == "[DONE]":
+        buffer = b""
+        done = False
+        async for data in response.aiter_bytes():
+            buffer += data
+            *lines, buffer = buffer.split(b"\n")
+            pending: dict[int, list[str]] = {}
+            for line in lines:
+                if not line.startswith(b"data:"):
+                    continue  # comments, `event:` lines, keep-alives, blank separators
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                try:
+                    event = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    raise UpstreamError(f"upstream at {self.url} sent a malformed stream event") from None
+                if not isinstance(event, dict):
+                    continue
+                error = event.get("error")
+                if error:
+                    message = error.get("message") if isinstance(error, dict) else str(error)
+                    raise UpstreamError(f"upstream at {self.url} failed mid-stream: {message}")
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices") or ():
+                    index = int(choice.get("index", 0))
+                    state = choices.setdefault(index, _Choice())
+                    if api == "chat":
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") or ""
+                        structured = _structured(delta, choice, with_index=False)
+                    else:
+                        text = choice.get("text") or ""
+                        structured = None
+                    if structured:
+                        parts = pending.pop(index, None)
+                        if parts:  # keep the choice's order: earlier text first
+                            yield EngineChunk(index=index, text="".join(parts))
+                        yield EngineChunk(index=index, text=text, upstream_delta=structured)
+                    elif text:
+                        pending.setdefault(index, []).append(text)
+                    finish_reason = choice.get("finish_reason")
+                    if finish_reason and state.finish is None:
+                        # Held until the usage event (sent after every finish) or the end of the stream.
+                        state.finish = EngineChunk(
+                            index=index, text="", finished=True, finish_reason=finish_reason
+                        )
+            for index, parts in pending.items():
+                yield EngineChunk(index=index, text=parts[0] if len(parts) == 1 else "".join(parts))
+            if done:
                 break
-            try:
-                data = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                raise UpstreamError(f"upstream at {self.url} sent a malformed stream event") from None
-            if not isinstance(data, dict):
-                continue
-            error = data.get("error")
-            if error:
-                message = error.get("message") if isinstance(error, dict) else str(error)
-                raise UpstreamError(f"upstream at {self.url} failed mid-stream: {message}")
-            if data.get("usage"):
-                usage = data["usage"]
-            for choice in data.get("choices") or ():
-                index = int(choice.get("index", 0))
-                state = choices.setdefault(index, _Choice())
-                if api == "chat":
-                    delta = choice.get("delta") or {}
-                    text = delta.get("content") or ""
-                    structured = _structured(delta, choice, with_index=False)
-                else:
-                    text = choice.get("text") or ""
-                    structured = None
-                finish_reason = choice.get("finish_reason")
-                if text or structured:
-                    yield EngineChunk(index=index, text=text, upstream_delta=structured)
-                if finish_reason and state.finish is None:
-                    # Held until the usage chunk (sent after every finish) or the end of the stream.
-                    state.finish = EngineChunk(
-                        index=index, text="", finished=True, finish_reason=finish_reason
-                    )
         for n, (index, state) in enumerate(sorted(choices.items())):
             chunk = state.finish or EngineChunk(index=index, text="", finished=True, finish_reason="stop")
             _finish(chunk, chunk.finish_reason, usage, first=n == 0)

@@ -452,6 +452,12 @@ class _Mode(enum.Enum):
 
 
 _BODY_STATES: Final = frozenset({ParserState.MessageContent, ParserState.ToolCall})
+# Plain names for the per-chunk fast path: identity tests, no enum hashing or class attribute lookups.
+_HARMONY: Final = _Mode.HARMONY
+_DELEGATED: Final = _Mode.DELEGATED
+_STRIPPED: Final = _Mode.STRIPPED
+_IN_CONTENT: Final = ParserState.MessageContent
+_IN_TOOL_CALL: Final = ParserState.ToolCall
 
 
 class HarmonyTextParser(_Emitter):
@@ -530,12 +536,13 @@ class HarmonyTextParser(_Emitter):
         if not chunk:
             return []
         mode = self._mode
-        if mode is _Mode.DELEGATED:
+        if mode is _DELEGATED:
             assert self._delegate is not None
             return self._delegate.feed(chunk)
         self._out = out = []
-        if mode is _Mode.HARMONY:
-            if not self._buf and self._state in _BODY_STATES and "<" not in chunk:
+        if mode is _HARMONY:
+            state = self._state
+            if not self._buf and (state is _IN_CONTENT or state is _IN_TOOL_CALL) and "<" not in chunk:
                 # The common case on a long stream: plain message text, nothing held back.
                 kind = self._kind
                 if kind is ContentDelta:
@@ -549,7 +556,7 @@ class HarmonyTextParser(_Emitter):
                 return out
             self._buf = self._buf + chunk if self._buf else chunk
             self._run_harmony(final=False)
-        elif mode is _Mode.STRIPPED:
+        elif mode is _STRIPPED:
             self._buf = self._buf + chunk if self._buf else chunk
             self._run_stripped(final=False)
         else:

@@ -139,8 +139,15 @@ class TextChoiceOutput:
         # Token accounting (chat_usage reads `parser.output_tokens` / `parser.reasoning_tokens`).
         self.output_tokens = 0
         self._upstream_reasoning_tokens: int | None = None
-        self._reasoning_chars = 0
-        self._answer_chars = 0
+        # The per-chunk hot path for text upstreams: the chain's first parser directly when nothing
+        # follows it (the text-level Harmony parser), else the chain; None when the text is the answer.
+        chain = self.chain
+        self._parse = (
+            None
+            if chain is None
+            else (chain.first.feed if chain.then is None and chain.first else chain.feed)
+        )
+        self._plain = self._stop is None
 
     @property
     def parser(self) -> TextChoiceOutput:
@@ -158,12 +165,35 @@ class TextChoiceOutput:
         if self._upstream_reasoning_tokens is not None:
             return self._upstream_reasoning_tokens
         # Text upstreams that do not report it: the reasoning share of the characters, in tokens.
-        chars = self._reasoning_chars + self._answer_chars
+        reasoning = sum(map(len, self.reasoning_parts))
+        chars = reasoning + sum(map(len, self.content_parts)) + sum(len(c.text) for c in self.tool_calls)
         total = self.completion_tokens or self.output_tokens
-        return round(total * self._reasoning_chars / chars) if chars else 0
+        return round(total * reasoning / chars) if chars else 0
 
     # -- engine chunks → chat deltas ------------------------------------------------------------
     def feed(self, chunk: EngineChunk) -> list[tuple[Any, ...]]:
+        text = chunk.text
+        if text and not chunk.finished and chunk.upstream_delta is None and not self.finished:
+            # Text upstreams, a chunk in the middle of the stream: the cheap path.
+            parse = self._parse
+            if parse is None:
+                if self._plain:
+                    self.content_parts.append(text)
+                    return [(CONTENT, text)]
+                events: list[TextEvent] = [ContentDelta(text)]
+            else:
+                events = parse(text)
+                if len(events) == 1 and type(events[0]) is ReasoningDelta:
+                    piece = events[0].text
+                    self.reasoning_parts.append(piece)
+                    return [(REASONING_TEXT, piece)] if self.include_reasoning else []
+                if self._plain and len(events) == 1 and type(events[0]) is ContentDelta:
+                    piece = events[0].text
+                    self.content_parts.append(piece)
+                    return [(CONTENT, piece)]
+            fast: list[tuple[Any, ...]] = []
+            self._translate(events, fast)
+            return fast
         if self.finished:
             return []
         deltas: list[tuple[Any, ...]] = []
@@ -224,12 +254,10 @@ class TextChoiceOutput:
         return deltas
 
     def _content(self, text: str, deltas: list[tuple[Any, ...]]) -> None:
-        self._answer_chars += len(text)
         self.content_parts.append(text)
         deltas.append((CONTENT, text))
 
     def _reasoning(self, text: str, deltas: list[tuple[Any, ...]]) -> None:
-        self._reasoning_chars += len(text)
         self.reasoning_parts.append(text)
         if self.include_reasoning:
             deltas.append((REASONING_TEXT, text))
@@ -256,7 +284,6 @@ class TextChoiceOutput:
                 call = self._open_calls.get(("p", event.index))  # type: ignore[union-attr]
                 if call is not None:
                     call.text += event.text  # type: ignore[union-attr]
-                    self._answer_chars += len(event.text)  # type: ignore[union-attr]
                     deltas.append((TOOL_ARGS, self._call_index[("p", event.index)], event.text))  # type: ignore[union-attr]
             elif kind is ToolCallEnd:
                 call = self._open_calls.pop(("p", event.index), None)  # type: ignore[union-attr]
@@ -291,7 +318,6 @@ class TextChoiceOutput:
                 if not isinstance(args, str):
                     args = orjson.dumps(args).decode()
                 current.text += args
-                self._answer_chars += len(args)
                 deltas.append((TOOL_ARGS, self._call_index[key], args))
         if "reasoning_tokens" in upstream:
             self._upstream_reasoning_tokens = upstream["reasoning_tokens"]
