@@ -115,4 +115,4 @@ async def collect(call: object) -> list:
 async def drain(call: object, into: list) -> None:
     """Append responses as they arrive, so a caller still sees them when the call ends in an error."""
     async for response in call:  # type: ignore[attr-defined]
-        into.append(response)  # noqa: PERF401 - a comprehension would lose what arrived before an error
+        into.append(response)  # one by one: a comprehension would lose what arrived before an error
