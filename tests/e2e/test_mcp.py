@@ -542,3 +542,20 @@ async def test_two_calls_in_one_turn_are_reported_in_order(mc, sim, docs) -> Non
     assert calls[1].output == "User zed is an administrator."
     second = prompt_of(sim.requests[-1])
     assert second.index("Docs result for zed") < second.index("User zed is an administrator")
+
+
+async def test_background_response_runs_the_loop(mc, docs) -> None:
+    import asyncio
+
+    r = await mc.responses.create(
+        model=MODEL, input="Please search_docs for later", tools=[docs_tool(docs)], background=True
+    )
+    assert r.status in ("queued", "in_progress")
+    for _ in range(200):
+        polled = await mc.responses.retrieve(r.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.05)
+    assert polled.status == "completed"
+    assert kinds(polled) == ["mcp_list_tools", "reasoning", "mcp_call", "reasoning", "message"]
+    assert "Docs result for later" in polled.output_text
