@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -380,3 +383,34 @@ async def test_model_alias_setting(sim: RunningSim) -> None:
         assert (await client.messages.create(model="fast", **body)).model == MODEL
         with pytest.raises(anthropic.NotFoundError):
             await client.messages.create(model="slow", **body)
+
+
+@pytest.mark.skipif(
+    shutil.which("claude") is None, reason="Claude Code is not installed (npm i -g @anthropic-ai/claude-code)"
+)
+async def test_claude_code_print_mode(gateway: RunningGateway, tmp_path) -> None:
+    """Claude Code itself, as a new user runs it: ANTHROPIC_BASE_URL at the gateway, `claude -p`."""
+    env = dict(
+        os.environ,
+        HOME=str(tmp_path),
+        ANTHROPIC_BASE_URL=gateway.url,
+        ANTHROPIC_API_KEY="test",
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+    proc = await asyncio.create_subprocess_exec(
+        "claude",
+        "-p",
+        "hello from the gateway test",
+        "--model",
+        MODEL,
+        cwd=tmp_path,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    text = out.decode()
+    assert proc.returncode == 0, text[-2000:]
+    assert "simulated answer" in text
