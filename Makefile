@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Real clients the end-to-end tests drive, pinned; installed beside the venv when npm is available.
+CLIENT_TOOLS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.197
+TOOLS_STAMP := .tools/.installed
 
 .PHONY: install demo test lint format bench clean
 
@@ -12,14 +15,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+$(TOOLS_STAMP): Makefile
+	@mkdir -p .tools
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --silent --no-fund --no-audit --prefix .tools $(CLIENT_TOOLS) && touch $(TOOLS_STAMP) \
+		|| echo "warning: could not install the Codex and Claude Code CLIs; their tests will be skipped"; \
+	else echo "warning: npm not found; the Codex and Claude Code tests will be skipped"; fi
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/harmony-gateway serve --demo
 
-test: $(STAMP)
+test: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -q tests
+	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -33,4 +43,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_gateway.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .tools build *.egg-info src/*.egg-info
