@@ -118,6 +118,27 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
+def invalid_setting(settings: Settings) -> str | None:
+    """A one-line reason the settings cannot work (unknown policy or parser name), or None."""
+    from .errors import InvalidRequest
+    from .pipeline.output_parsers.registry import validate_parser_names
+    from .routing.registry import POLICIES
+
+    for name in (
+        settings.policy,
+        settings.prefill_policy,
+        settings.decode_policy,
+        *settings.model_policies.values(),
+    ):
+        if name is not None and name not in POLICIES:
+            return f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
+    try:
+        validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
+    except InvalidRequest as exc:
+        return exc.message
+    return None
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -221,7 +242,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--storage-schema", default=None, help="PostgreSQL schema for the gateway's tables")
     p.add_argument(
-        "--storage-retention", type=float, default=None, metavar="SECONDS", help="purge stored responses older than this"
+        "--storage-retention",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="purge stored responses older than this",
     )
     p.add_argument(
         "--api-key",
@@ -427,6 +452,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_json)
+    problem = invalid_setting(settings)
+    if problem:
+        print(f"harmony-gateway: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     from .harmony.encoding import VocabularyUnavailable, get_encoding
 
     try:

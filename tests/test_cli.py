@@ -1,0 +1,57 @@
+"""The CLI: help on every command, and settings that cannot work fail before serving, in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["sim-engine"], ["vocab"]])
+def test_help_on_every_command(command: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([*command, "--help"])
+    assert info.value.code == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--policy", "fastest"], "unknown routing policy 'fastest'"),
+        (["--model-policy", "m=nope"], "unknown routing policy 'nope'"),
+        (["--reasoning-parser", "m=nope"], "unknown reasoning parser 'nope'"),
+        (["--tool-call-parser", "m=nope"], "tool-call parser 'nope'"),
+    ],
+)
+def test_invalid_settings_are_named(flags: list[str], fragment: str) -> None:
+    args = build_parser().parse_args(["serve", "--worker-url", "grpc://127.0.0.1:1", *flags])
+    problem = invalid_setting(settings_from_args(args))
+    assert problem is not None and fragment in problem
+
+
+def test_valid_settings_pass() -> None:
+    args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--policy", "cache_aware"])
+    assert invalid_setting(settings_from_args(args)) is None
+
+
+def test_bad_policy_exits_2_with_one_line() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harmony_gateway.cli",
+            "serve",
+            "--worker-url",
+            "grpc://127.0.0.1:1",
+            "--policy",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "unknown routing policy" in proc.stderr
