@@ -70,6 +70,7 @@ from .prepare import (
     selection_text,
     system_options,
     token_budget,
+    tool_call_constraint,
 )
 from .reasoning_budget import budget_exceeded
 from .run import _chain, _open_stream
@@ -337,6 +338,8 @@ async def prepare_messages(
         group, len(input_ids), full.max_tokens if full else None, param="messages"
     )
     sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
+    if request.tool_choice is not None and request.tool_choice.type in ("any", "tool"):
+        sampling.structural_tag = tool_call_constraint(tools)
     prepared = PreparedRequest(
         group=group,
         input_ids=input_ids,

@@ -8,6 +8,7 @@ Raises `InvalidRequest` naming the offending field.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,6 +119,34 @@ def apply_tool_choice(
             }
             return [t for t in tools if t.name in allowed]
     raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function", param=param)
+
+
+def forces_tool_call(tool_choice: str | dict[str, Any] | None) -> bool:
+    """`required`, a named function or an allowed-tools choice: the engine constrains the call."""
+    if tool_choice == "required":
+        return True
+    return isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "allowed_tools")
+
+
+def tool_call_constraint(tools: Sequence[FunctionTool]) -> str | None:
+    """An SGLang/vLLM `structural_tag`: once the model opens a commentary call, the header must name one
+    of `tools` and the arguments must match its JSON schema (REFERENCE §2.8). Only the call is
+    constrained, so the analysis and final channels stay free; constraining the whole output would
+    block the control tokens (ollama#11691)."""
+    if not tools:
+        return None
+    structures = [
+        {
+            "begin": f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>",
+            "schema": tool.parameters or {"type": "object"},
+            "end": "<|call|>",
+        }
+        for tool in tools
+    ]
+    return json.dumps(
+        {"type": "structural_tag", "structures": structures, "triggers": ["<|channel|>commentary to="]},
+        separators=(",", ":"),
+    )
 
 
 def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]]:
@@ -284,6 +313,8 @@ async def prepare_chat(
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = [*(request.stop_token_ids or ()), *ASSISTANT_STOP_IDS]
+    if forces_tool_call(request.tool_choice):
+        sampling.structural_tag = tool_call_constraint(tools)
     return PreparedRequest(
         group=group,
         input_ids=input_ids,

@@ -56,11 +56,13 @@ from .dispatch import dispatch
 from .parse_output import parse_chunk
 from .prepare import (
     apply_tool_choice,
+    forces_tool_call,
     render_harmony,
     sampling_options,
     selection_text,
     system_options,
     token_budget,
+    tool_call_constraint,
 )
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
@@ -322,6 +324,8 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         prefix = PromptPrefix(options, instructions, tuple(tools), (*namespaces, *mcp_namespaces))
         sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
         sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
+        if forces_tool_call(req.tool_choice):
+            sampling.structural_tag = tool_call_constraint(tools)
         prepared = PreparedRequest(
             group=group,
             input_ids=[],

@@ -1,0 +1,73 @@
+"""tool_choice that forces a call reaches the engine as a structural tag over the chosen tools only;
+`auto` and `none` leave generation unconstrained (REFERENCE §2.8)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import MODEL
+
+WEATHER = {"type": "object", "properties": {"location": {"type": "string"}}, "required": ["location"]}
+TIME = {"type": "object", "properties": {"zone": {"type": "string"}}}
+CHAT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+
+
+def constraint(sim) -> dict | None:
+    tag = sim.requests[-1].sampling.get("structural_tag")
+    return json.loads(tag) if tag else None
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("required", ["get_weather", "get_time"]),
+        ({"type": "function", "function": {"name": "get_time"}}, ["get_time"]),
+    ],
+)
+async def test_chat_forced_choice_constrains_the_call(client: openai.AsyncOpenAI, sim, choice, names) -> None:
+    await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=CHAT_TOOLS, tool_choice=choice
+    )
+    tag = constraint(sim)
+    assert tag is not None and tag["triggers"] == ["<|channel|>commentary to="]
+    begins = [s["begin"] for s in tag["structures"]]
+    assert begins == [f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>" for n in names]
+    assert all(s["end"] == "<|call|>" for s in tag["structures"])
+    schemas = {s["begin"].split("functions.")[1].split(" ")[0]: s["schema"] for s in tag["structures"]}
+    assert schemas.get("get_time", TIME) == TIME
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", None])
+async def test_chat_free_choice_is_unconstrained(client: openai.AsyncOpenAI, sim, choice) -> None:
+    kwargs = {"tool_choice": choice} if choice else {}
+    await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=CHAT_TOOLS, **kwargs
+    )
+    assert constraint(sim) is None
+
+
+async def test_responses_required_is_constrained(client: openai.AsyncOpenAI, sim) -> None:
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    await client.responses.create(model=MODEL, input="hi", tools=tools, tool_choice="required")
+    tag = constraint(sim)
+    assert tag is not None and tag["structures"][0]["schema"] == WEATHER
+
+
+async def test_anthropic_tool_choice_tool_is_constrained(gateway, sim) -> None:
+    async with anthropic.AsyncAnthropic(base_url=gateway.url, api_key="k", max_retries=0) as client:
+        await client.messages.create(
+            model=MODEL,
+            max_tokens=64,
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "get_weather", "input_schema": WEATHER}],
+            tool_choice={"type": "tool", "name": "get_weather"},
+        )
+    tag = constraint(sim)
+    assert tag is not None and [s["schema"] for s in tag["structures"]] == [WEATHER]
