@@ -15,6 +15,7 @@ from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealt
 from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState, RequestContext, new_request_id
 from ..pipeline.run import run_chat
+from .coalesce import coalesce
 from .schemas.chat import ChatCompletionRequest
 
 router = APIRouter()
@@ -74,7 +75,7 @@ async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIte
 
 def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> StreamingResponse:
     return StreamingResponse(
-        _logged(stream, ctx),
+        _logged(coalesce(stream), ctx),
         media_type="text/event-stream",
         headers={**SSE_HEADERS, "x-request-id": ctx.request_id},
     )
