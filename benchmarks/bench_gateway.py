@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -378,6 +379,7 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     """Yield (gateway base URL, gateway pid), starting what was not given; stop what was started."""
     started: list[subprocess.Popen[bytes]] = []
     quiet = None if args.verbose else subprocess.DEVNULL
+    stack = contextlib.ExitStack()
     try:
         if args.gateway_url:
             yield args.gateway_url.rstrip("/"), args.gateway_pid
@@ -392,8 +394,12 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
             worker_url = f"grpc://127.0.0.1:{port}"
         port = free_port()
         cmd = [*gateway_command(), "serve", "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--worker-url", worker_url, "--storage", "memory://", "--log-level", "warning"]
-        cmd += args.gateway_arg
+        storage = "memory://"
+        if args.workers > 1:  # processes must share storage; store=false requests never touch it
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-gateway-"))
+            storage = f"sqlite:///{tmp}/responses.db"
+        cmd += ["--worker-url", worker_url, "--storage", storage, "--log-level", "warning"]
+        cmd += ["--workers", str(args.workers), *args.gateway_arg]
         started.append(subprocess.Popen(cmd, stdout=quiet, stderr=quiet))
         wait_for_port(port, started[-1], 60)
         base = f"http://127.0.0.1:{port}"
@@ -402,6 +408,7 @@ def services(args: argparse.Namespace) -> Iterator[tuple[str, int | None]]:
     finally:
         for proc in reversed(started):
             stop(proc)
+        stack.close()
 
 
 def append_json(path: str, row: dict[str, Any]) -> None:
@@ -438,6 +445,7 @@ def main() -> None:
     p.add_argument(
         "--gateway-arg", action="append", default=[], help="extra argument for `serve` (repeatable)"
     )
+    p.add_argument("--workers", type=int, default=1, help="gateway processes (`serve --workers N`)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--concurrency", default="1,32,64")
     p.add_argument("--duration", type=float, default=10.0, help="max seconds per level")

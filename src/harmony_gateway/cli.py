@@ -310,6 +310,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also start a simulated gpt-oss engine on a free port and print examples",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the port (default 1); each has its own worker health state, "
+        "storage connections and /metrics; needs sqlite or postgresql storage when N > 1",
+    )
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -466,7 +474,62 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not settings.worker_urls and not settings.prefill_urls and not args.demo:
         print("harmony-gateway: no workers: pass --worker-url grpc://host:port (or --demo)", file=sys.stderr)
         raise SystemExit(2)
+    if args.workers > 1:
+        problem = _multiprocess_problem(settings, args.demo)
+        if problem:
+            print(f"harmony-gateway: --workers {args.workers}: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+        _serve_processes(settings, list(sys.argv[1:] if argv is None else argv), args.workers)
+        return
     _run(_serve(settings, args.demo))
+
+
+_ARGV_ENV = "HARMONY_GATEWAY_SERVE_ARGV"
+
+
+def _multiprocess_problem(settings: Settings, demo: bool) -> str | None:
+    if demo:
+        return "--demo runs in one process"
+    url = settings.storage_url or ""
+    if url.startswith("memory:"):
+        # Each process would keep its own responses and conversations: a follow-up that lands on
+        # another process would not find them.
+        return "memory:// storage is per process; use sqlite:///PATH or postgresql://..."
+    return None
+
+
+def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
+    """uvicorn's supervisor: N spawned processes accept on one listening socket; each builds its app
+    from the same command line (`app_from_env`)."""
+    import json
+
+    import uvicorn
+
+    os.environ[_ARGV_ENV] = json.dumps(argv)
+    uvicorn.run(
+        "harmony_gateway.cli:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=workers,
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+        log_config=None,
+    )
+
+
+def app_from_env() -> Any:
+    """The app of one `serve --workers N` process, from the command line its supervisor was given."""
+    import json
+
+    from .app import create_app
+    from .observability.logging import configure_logging
+
+    args = build_parser().parse_args(json.loads(os.environ[_ARGV_ENV]))
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_json)
+    return create_app(settings)
 
 
 if __name__ == "__main__":
