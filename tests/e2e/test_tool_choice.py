@@ -71,3 +71,69 @@ async def test_anthropic_tool_choice_tool_is_constrained(gateway, sim) -> None:
         )
     tag = constraint(sim)
     assert tag is not None and [s["schema"] for s in tag["structures"]] == [WEATHER]
+
+
+SHOPPING = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+
+
+def last_prompt(sim) -> str:
+    from harmony_gateway.harmony.encoding import get_encoding
+
+    return get_encoding().decode(sim.requests[-1].input_ids)
+
+
+async def test_chat_json_schema_is_described_and_constrains_only_the_final(client, sim) -> None:
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "groceries"}],
+        tools=CHAT_TOOLS,
+        tool_choice="required",
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "shopping_list", "description": "items to buy", "schema": SHOPPING},
+        },
+    )
+    prompt = last_prompt(sim)
+    developer = prompt.split("<|start|>developer<|message|>")[1].split("<|end|>")[0]
+    assert developer.startswith("# Instructions\n\nBe terse.")
+    assert developer.endswith(
+        "# Response Formats\n\n## shopping_list\n\n// items to buy\n"
+        + json.dumps(SHOPPING, separators=(",", ":"))
+    )
+    tag = constraint(sim)
+    assert tag["triggers"] == ["<|channel|>commentary to=", "<|channel|>final"]
+    final = tag["structures"][-1]
+    assert final == {
+        "begin": "<|channel|>final<|constrain|>json<|message|>",
+        "schema": SHOPPING,
+        "end": "<|return|>",
+    }
+
+
+async def test_json_object_alone(client, sim) -> None:
+    r = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert "# Response Formats\n\n## json_object" in last_prompt(sim)
+    assert [s["begin"] for s in constraint(sim)["structures"]] == [
+        "<|channel|>final<|constrain|>json<|message|>"
+    ]
+
+
+async def test_responses_text_format(client, sim) -> None:
+    await client.responses.create(
+        model=MODEL,
+        input="groceries",
+        text={"format": {"type": "json_schema", "name": "shopping_list", "schema": SHOPPING}},
+    )
+    assert "## shopping_list" in last_prompt(sim)
+    assert constraint(sim)["structures"][0]["schema"] == SHOPPING
+
+
+async def test_invalid_response_format_is_400(client) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}
+        )
+    assert info.value.param == "response_format.json_schema"

@@ -17,6 +17,7 @@ from openai_harmony import (
     ReasoningEffort,
     Role,
     SystemContent,
+    TextContent,
     ToolDescription,
     ToolNamespaceConfig,
 )
@@ -112,14 +113,30 @@ def system_message(options: SystemOptions) -> Message:
     return Message.from_role_and_content(Role.SYSTEM, content)
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A structured-output schema, described to the model at the end of the developer message."""
+
+    name: str
+    description: str
+    schema_json: str
+
+    def section(self) -> str:
+        comment = f"// {self.description}\n" if self.description else ""
+        return f"# Response Formats\n\n## {self.name}\n\n{comment}{self.schema_json}"
+
+
 def developer_message(
     instructions: str | None,
     functions: Sequence[FunctionTool],
     namespaces: Sequence[ToolNamespace] = (),
+    response_format: ResponseFormat | None = None,
 ) -> Message | None:
     """The developer message, or None when there is nothing to say (an empty one is noise to the model)."""
-    if not instructions and not functions and not namespaces:
+    if not instructions and not functions and not namespaces and response_format is None:
         return None
+    if not instructions and not functions and not namespaces:
+        return Message.from_role_and_content(Role.DEVELOPER, response_format.section())  # type: ignore[union-attr]
     content = DeveloperContent.new()
     if instructions:
         content = content.with_instructions(instructions)
@@ -133,6 +150,11 @@ def developer_message(
                 tools=[tool.to_description() for tool in namespace.tools],
             )
         )
+    if response_format is not None:
+        # The Response Formats section closes the developer message (the harmony format guide).
+        return Message.from_role_and_contents(
+            Role.DEVELOPER, [content, TextContent(text="\n\n" + response_format.section())]
+        )
     return Message.from_role_and_content(Role.DEVELOPER, content)
 
 
@@ -145,6 +167,7 @@ class PromptPrefix:
     instructions: str | None = None
     functions: tuple[FunctionTool, ...] = ()
     namespaces: tuple[ToolNamespace, ...] = ()
+    response_format: ResponseFormat | None = None
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -166,11 +189,14 @@ class PromptPrefix:
                 )
                 for ns in self.namespaces
             ),
+            self.response_format,
         )
 
     def messages(self) -> list[Message]:
         prefix = [system_message(self.options)]
-        developer = developer_message(self.instructions, self.functions, self.namespaces)
+        developer = developer_message(
+            self.instructions, self.functions, self.namespaces, self.response_format
+        )
         if developer is not None:
             prefix.append(developer)
         return prefix

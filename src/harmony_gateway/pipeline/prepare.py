@@ -20,6 +20,7 @@ from ..harmony.messages import (
     FunctionTool,
     Msg,
     PromptPrefix,
+    ResponseFormat,
     SystemOptions,
     assistant,
     assistant_call,
@@ -128,25 +129,69 @@ def forces_tool_call(tool_choice: str | dict[str, Any] | None) -> bool:
     return isinstance(tool_choice, dict) and tool_choice.get("type") in ("function", "allowed_tools")
 
 
-def tool_call_constraint(tools: Sequence[FunctionTool]) -> str | None:
-    """An SGLang/vLLM `structural_tag`: once the model opens a commentary call, the header must name one
-    of `tools` and the arguments must match its JSON schema (REFERENCE §2.8). Only the call is
-    constrained, so the analysis and final channels stay free; constraining the whole output would
-    block the control tokens (ollama#11691)."""
-    if not tools:
+def output_constraint(
+    call_tools: Sequence[FunctionTool] = (), response_format: ResponseFormat | None = None
+) -> str | None:
+    """An SGLang/vLLM `structural_tag` over the parts of the output that must follow a schema, and
+    nothing else (REFERENCE §2.8): once the model opens a commentary call, the header must name one of
+    `call_tools` and the arguments match its schema; once it opens the final channel, the answer must
+    match `response_format`. Analysis stays free; constraining the whole output would block the control
+    tokens (ollama#11691)."""
+    structures: list[dict[str, Any]] = []
+    triggers: list[str] = []
+    if call_tools:
+        structures.extend(
+            {
+                "begin": f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>",
+                "schema": tool.parameters or {"type": "object"},
+                "end": "<|call|>",
+            }
+            for tool in call_tools
+        )
+        triggers.append("<|channel|>commentary to=")
+    if response_format is not None:
+        structures.append(
+            {
+                "begin": "<|channel|>final<|constrain|>json<|message|>",
+                "schema": json.loads(response_format.schema_json),
+                "end": "<|return|>",
+            }
+        )
+        triggers.append("<|channel|>final")
+    if not structures:
         return None
-    structures = [
-        {
-            "begin": f"<|channel|>commentary to=functions.{tool.name} <|constrain|>json<|message|>",
-            "schema": tool.parameters or {"type": "object"},
-            "end": "<|call|>",
-        }
-        for tool in tools
-    ]
     return json.dumps(
-        {"type": "structural_tag", "structures": structures, "triggers": ["<|channel|>commentary to="]},
-        separators=(",", ":"),
+        {"type": "structural_tag", "structures": structures, "triggers": triggers}, separators=(",", ":")
     )
+
+
+def tool_call_constraint(tools: Sequence[FunctionTool]) -> str | None:
+    return output_constraint(tools)
+
+
+def response_format_of(spec: dict[str, Any] | None, *, param: str, nested: bool) -> ResponseFormat | None:
+    """Chat `response_format` ({type, json_schema: {name, schema, ...}}, `nested`) or Responses
+    `text.format` ({type, name, schema, ...}) → the schema to describe and enforce; `text` → None."""
+    if spec is None:
+        return None
+    kind = spec.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return ResponseFormat("json_object", "", '{"type":"object"}')
+    if kind != "json_schema":
+        raise InvalidRequest(f"unsupported response format type {kind!r}", param=f"{param}.type")
+    body = spec.get("json_schema") if nested else spec
+    where = f"{param}.json_schema" if nested else param
+    if not isinstance(body, dict):
+        raise InvalidRequest("json_schema formats need a json_schema object", param=where)
+    schema = body.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest("json_schema formats need a JSON schema object", param=f"{where}.schema")
+    name = body.get("name") or "response"
+    if not isinstance(name, str):
+        raise InvalidRequest("the format name must be a string", param=f"{where}.name")
+    return ResponseFormat(name, str(body.get("description") or ""), json.dumps(schema, separators=(",", ":")))
 
 
 def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]]:
@@ -295,7 +340,8 @@ async def prepare_chat(
     effort = parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort")
     tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
     instructions, history = chat_history(request.messages)
-    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
+    response_format = response_format_of(request.response_format, param="response_format", nested=True)
+    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), (), response_format)
     input_ids = await render_harmony(state, prefix, history)
 
     sampling = sampling_options(
@@ -313,8 +359,9 @@ async def prepare_chat(
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = [*(request.stop_token_ids or ()), *ASSISTANT_STOP_IDS]
-    if forces_tool_call(request.tool_choice):
-        sampling.structural_tag = tool_call_constraint(tools)
+    sampling.structural_tag = output_constraint(
+        tools if forces_tool_call(request.tool_choice) else (), response_format
+    )
     return PreparedRequest(
         group=group,
         input_ids=input_ids,

@@ -57,12 +57,13 @@ from .parse_output import parse_chunk
 from .prepare import (
     apply_tool_choice,
     forces_tool_call,
+    output_constraint,
     render_harmony,
+    response_format_of,
     sampling_options,
     selection_text,
     system_options,
     token_budget,
-    tool_call_constraint,
 )
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
@@ -321,11 +322,17 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             browser=loop is not None and loop.browser is not None,
             python=loop is not None and loop.python is not None,
         )
-        prefix = PromptPrefix(options, instructions, tuple(tools), (*namespaces, *mcp_namespaces))
+        response_format = response_format_of(
+            (req.text or {}).get("format"), param="text.format", nested=False
+        )
+        prefix = PromptPrefix(
+            options, instructions, tuple(tools), (*namespaces, *mcp_namespaces), response_format
+        )
         sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
         sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
-        if forces_tool_call(req.tool_choice):
-            sampling.structural_tag = tool_call_constraint(tools)
+        sampling.structural_tag = output_constraint(
+            tools if forces_tool_call(req.tool_choice) else (), response_format
+        )
         prepared = PreparedRequest(
             group=group,
             input_ids=[],
