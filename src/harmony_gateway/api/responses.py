@@ -11,6 +11,7 @@ from starlette.responses import Response
 from ..errors import InvalidRequest, NotFound
 from ..observability.metrics import finish_request
 from ..pipeline.responses import cancel_response, run_responses
+from ..pipeline.responses_events import stream_stored_events
 from ..pipeline.responses_input import new_id, normalize_items
 from ..storage.base import StoredConversation
 from .routes import gateway, json_body, json_response, new_context, owner_of, run_logged, sse_response
@@ -62,14 +63,47 @@ async def create_response(request: Request) -> Response:
     return sse_response(result, ctx)
 
 
+def _starting_after(request: Request) -> int:
+    raw = request.query_params.get("starting_after")
+    if raw is None or raw == "":
+        return -1
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest("starting_after must be an integer", param="starting_after") from None
+    if value < -1:
+        raise InvalidRequest("starting_after must be -1 or more", param="starting_after")
+    return value
+
+
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Response:
+    """The stored Response; with `stream=true`, its events after `starting_after` (background only)."""
     state = gateway(request)
     owner = owner_of(state, request)
+    stream = request.query_params.get("stream", "").lower() in ("true", "1")
+    after = _starting_after(request) if stream else -1
     record = await state.store.get_response(response_id, owner)
     if record is None:
         raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
-    return json_response(record.response)
+    if not stream:
+        return json_response(record.response)
+    if not record.background:
+        # Only background responses keep an event log (OpenAI answers 400 here too).
+        raise InvalidRequest(
+            "Only background responses can be streamed; create it with background=true.", param="stream"
+        )
+    ctx = new_context(request, "responses_stream", state)
+    ctx.model = record.model
+    events = stream_stored_events(
+        state.store,
+        response_id,
+        owner,
+        after,
+        state.background.feed(response_id),
+        idle_timeout=state.settings.timeouts.first_token,
+    )
+    return sse_response(events, ctx)
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -207,14 +207,22 @@ class GatewayMetrics:
             if ctx.completion_tokens > 1:
                 self.itl.labels(route, model).observe((now - first) / (ctx.completion_tokens - 1))
         if ctx.parsers:
-            self.harmony_requests.inc()
-            for channel, count in channel_counts(ctx.parsers).items():
-                self.harmony_channel_messages.labels(channel).inc(count)
-            errors = sum(1 for p in ctx.parsers if p.parse_error is not None)
-            if errors:
-                self.harmony_parsing_errors.inc(errors)
+            self.observe_harmony(ctx.parsers)
         if ctx.text_stats:
             self.observe_text_stats(ctx.text_stats)
+
+    def observe_harmony(self, parsers: Sequence[Any]) -> None:
+        """Record one Harmony request from its output parsers (choices, or tool-loop iterations).
+
+        Also called directly for work that outlives its request (background responses)."""
+        if not parsers:
+            return
+        self.harmony_requests.inc()
+        for channel, count in channel_counts(parsers).items():
+            self.harmony_channel_messages.labels(channel).inc(count)
+        errors = sum(1 for p in parsers if p.parse_error is not None)
+        if errors:
+            self.harmony_parsing_errors.inc(errors)
 
     def observe_text_stats(self, stats: Iterable[Any]) -> None:
         """Record the `ParserStats` of one request's text-level output parsers."""

@@ -2,6 +2,8 @@
 
 A background response outlives its HTTP request. Each task is tracked so `POST /cancel` can stop it
 (cancellation reaches `dispatch`, which aborts the engine request) and shutdown can stop them all.
+While it runs, its live event feed (`responses_events.EventFeed`) is registered here by response id,
+so a stream resumed on this replica follows it; the feed leaves with the task.
 Responses a previous run of this replica left queued or in progress are marked failed at start-up.
 """
 
@@ -27,11 +29,23 @@ class BackgroundRunner:
     def __init__(self, runner_id: str) -> None:
         self.runner_id = runner_id
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._feeds: dict[str, Any] = {}
 
-    def start(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
+    def start(self, response_id: str, work: Coroutine[Any, Any, None], feed: Any = None) -> None:
+        """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends."""
         task = asyncio.create_task(work, name=f"background-{response_id}")
         self._tasks[response_id] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(response_id, None))
+        if feed is not None:
+            self._feeds[response_id] = feed
+        task.add_done_callback(lambda _t: self._forget(response_id))
+
+    def _forget(self, response_id: str) -> None:
+        self._tasks.pop(response_id, None)
+        self._feeds.pop(response_id, None)
+
+    def feed(self, response_id: str) -> Any:
+        """The live event feed of a response running on this replica, or None."""
+        return self._feeds.get(response_id)
 
     def running(self, response_id: str) -> bool:
         return response_id in self._tasks

@@ -16,6 +16,7 @@ or the `max_tool_calls` limit. All iterations stream into one response with one 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -23,6 +24,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from ..api.schemas.responses import ResponsesRequest
 from ..errors import Conflict, GatewayError, InvalidRequest, NotFound
@@ -65,11 +68,16 @@ from .prepare import (
     system_options,
     token_budget,
 )
+from .reasoning_budget import budget_exceeded, with_reasoning_budget
+from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
 from .run import _open_stream
 
 log = logging.getLogger(__name__)
+
+#: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
+CLOSE_TIMEOUT = 5.0
 
 
 @dataclass(eq=False)
@@ -100,6 +108,8 @@ class ResponsePlan:
     #: Model turns that called tools past `max_tool_calls`; a second one ends the response incomplete.
     limit_turns: int = 0
     incomplete_reason: str | None = None
+    #: The Harmony output parser of every iteration, for the Harmony metrics.
+    parsers: list[tp.HarmonyOutputParser] = field(default_factory=list)
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""
@@ -411,7 +421,16 @@ async def render_turn(state: GatewayState, plan: ResponsePlan) -> None:
         sampling=dataclasses.replace(prepared.sampling, max_new_tokens=budget),
         selection_text=prepared.selection_text or selection_text(full),
         history=full,
+        max_reasoning_tokens=remaining_reasoning(plan),
     )
+
+
+def remaining_reasoning(plan: ResponsePlan) -> int | None:
+    """`reasoning.max_tokens` left for the next iteration: like `max_output_tokens`, the budget covers
+    the whole tool loop. Once spent, later iterations may reason one token before they must answer."""
+    reasoning = plan.request.reasoning
+    limit = reasoning.max_tokens if reasoning is not None else None
+    return None if limit is None else max(limit - plan.reasoning_tokens, 1)
 
 
 async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> None:
@@ -450,7 +469,8 @@ async def _open_iteration(
     prefix cache holds the conversation) while it is available."""
     if pinned is None:
         return await _open_stream(state, plan.prepared, ctx, stream=True)
-    chunks = dispatch(state, plan.prepared, ctx, stream=True, pinned=pinned)
+    dispatched = dispatch(state, plan.prepared, ctx, stream=True, pinned=pinned)
+    chunks = with_reasoning_budget(state, plan.prepared, ctx, dispatched)
     try:
         first = await anext(chunks)
     except StopAsyncIteration:
@@ -481,6 +501,7 @@ async def generate(
         plan.iterations += 1
         prepared = plan.prepared
         parser = tp.HarmonyOutputParser(state.encoding, prepared.function_names, prepared.tool_namespaces)
+        plan.parsers.append(parser)
         if opened is None:
             opened = await _open_iteration(state, plan, ctx, pinned)
         chunks, first = opened
@@ -490,17 +511,13 @@ async def generate(
             if first is not None:
                 usage.account(plan, first)
                 builder.on_events(parse_chunk(parser, first))
-            if builder.stream:
-                out = builder.take()
-                if out:
-                    yield out
+            if builder.ready():
+                yield builder.take()
             async for chunk in chunks:
                 usage.account(plan, chunk)
                 builder.on_events(parse_chunk(parser, chunk))
-                if builder.stream:
-                    out = builder.take()
-                    if out:
-                        yield out
+                if builder.ready():
+                    yield builder.take()
         pinned = ctx.worker
         if not parser.output_tokens and first is None:
             builder.on_events(parser.finish())
@@ -517,10 +534,8 @@ async def generate(
             slot = builder.awaiting
             slot.outcome = await loop.execute(slot.decision, slot.msg.text)
             builder.complete_tool(slot, slot.outcome.output, slot.outcome.error)
-            if builder.stream:
-                out = builder.take()
-                if out:
-                    yield out
+            if builder.ready():
+                yield builder.take()
         slots, builder.tool_slots = builder.tool_slots, []
         if plan.finish_reason == "length" or not slots:
             return
@@ -577,8 +592,13 @@ class _Usage:
             plan.finish_reason = chunk.finish_reason
 
 
-def _finish(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> dict[str, Any]:
+def _finish(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
+) -> dict[str, Any]:
     builder.usage = usage_of(plan.input_tokens, plan.output_tokens, plan.reasoning_tokens, plan.cached_tokens)
+    if plan.prepared.max_reasoning_tokens is not None:
+        # As chat's completion_tokens_details.reasoning_budget_exceeded (pipeline/reasoning_budget.py).
+        builder.usage["output_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
     if plan.uses_tools:
         _observe_iterations(state, plan)
     if plan.finish_reason == "length":
@@ -636,6 +656,8 @@ async def run_responses(
 ) -> dict[str, Any] | AsyncIterator[bytes]:
     # 1) prepare: items, chain or conversation, tools connected and listed
     plan = await prepare_responses(state, req, ctx)
+    if not req.background:
+        ctx.parsers = plan.parsers  # filled per iteration, read once by finish_request
     try:
         if req.background:
             return await start_background(state, plan, ctx)
@@ -660,7 +682,7 @@ async def run_responses(
                 pass
         finally:
             await plan.close_tools()
-        body = _finish(state, plan, builder)
+        body = _finish(state, plan, builder, ctx)
         ctx.completion_tokens = plan.output_tokens
         await persist(state, plan, body)
         return body
@@ -676,8 +698,11 @@ async def _stream(
             async for piece in generate(state, plan, ctx, builder, opened):
                 yield piece
         finally:
-            await plan.close_tools()
-        body = _finish(state, plan, builder)
+            # A client that left cancels this generator, mid tool call too; the request's MCP
+            # connections still close (shielded: the cancelled scope would cancel the close too).
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+                await plan.close_tools()
+        body = _finish(state, plan, builder, ctx)
         ctx.completion_tokens = plan.output_tokens
         terminal = builder.frames.pop()  # stored before the client hears it is complete
         await persist(state, plan, body)
@@ -699,10 +724,25 @@ async def _stream(
 async def start_background(
     state: GatewayState, plan: ResponsePlan, ctx: RequestContext
 ) -> dict[str, Any] | AsyncIterator[bytes]:
-    builder = ResponseBuilder(plan.envelope, stream=False)
+    """Store the response as queued, start its task and return at once: the queued Response, or with
+    `stream` the live events (the caller is one more subscriber; leaving does not stop the task)."""
+    builder = ResponseBuilder(plan.envelope, stream=False, record=True)
+    feed = EventFeed(plan.response_id, state.store)
     queued = builder.snapshot("queued")
+    builder.announce_created("queued")
     await persist_status(state, plan, queued)
-    state.background.start(plan.response_id, _run_background(state, plan, ctx))
+    await feed.publish(builder.take_events())
+    await feed.flush()  # the log exists as soon as the response does
+    state.background.start(plan.response_id, _run_background(state, plan, ctx, builder, feed), feed)
+    if plan.request.stream:
+        return stream_stored_events(
+            state.store,
+            plan.response_id,
+            plan.owner,
+            -1,
+            feed,
+            idle_timeout=state.settings.timeouts.first_token,
+        )
     return queued
 
 
@@ -712,32 +752,48 @@ async def persist_status(state: GatewayState, plan: ResponsePlan, body: dict[str
     await state.store.put_response(record)
 
 
-async def _run_background(state: GatewayState, plan: ResponsePlan, ctx: RequestContext) -> None:
-    builder = ResponseBuilder(plan.envelope, stream=False)
+async def _run_background(
+    state: GatewayState, plan: ResponsePlan, ctx: RequestContext, builder: ResponseBuilder, feed: EventFeed
+) -> None:
+    """The response's task: every event goes to `feed` (live subscribers and the stored log); the final
+    state is stored before the terminal event is published, on every path, cancellation included."""
     try:
         await persist_status(state, plan, builder.snapshot("in_progress"))
+        builder.announce_in_progress()
+        await feed.publish(builder.take_events())
         try:
             await begin(state, plan, builder)
             async for _ in generate(state, plan, ctx, builder):
-                pass
+                await feed.publish(builder.take_events())
         finally:
             await plan.close_tools()
-        body = _finish(state, plan, builder)
+        body = _finish(state, plan, builder, ctx)
         await persist(state, plan, body, background=True)
-    except BaseException as exc:
-        import asyncio
-
-        if isinstance(exc, asyncio.CancelledError):
-            body = builder.finish("cancelled")
-            body["status"] = "cancelled"
-            with contextlib.suppress(Exception):
-                await asyncio.shield(persist_status(state, plan, body))
-            raise
-        message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
-        if not isinstance(exc, GatewayError):
-            log.exception("background response %s failed", plan.response_id, exc_info=exc)
-        body = builder.finish("failed", error={"code": "server_error", "message": message})
-        await persist_status(state, plan, body)
+        await feed.publish(builder.take_events())
+    except asyncio.CancelledError:
+        # Cancelled (POST /cancel, shutdown). If the response already finished, its own end stands.
+        final = builder.final or builder.finish("cancelled")
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
+            if final["status"] == "cancelled":
+                with contextlib.suppress(Exception):
+                    await persist_status(state, plan, final)
+            await feed.publish(builder.take_events())
+        raise
+    except Exception as exc:
+        final = builder.final
+        if final is None:
+            message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
+            if not isinstance(exc, GatewayError):
+                log.exception("background response %s failed", plan.response_id, exc_info=exc)
+            final = builder.finish("failed", error={"code": "server_error", "message": message})
+        else:
+            log.exception("background response %s could not be stored", plan.response_id, exc_info=exc)
+        with contextlib.suppress(Exception):
+            await persist_status(state, plan, final)
+        await feed.publish(builder.take_events())
+    finally:
+        if state.metrics is not None:
+            state.metrics.observe_harmony(plan.parsers)
 
 
 async def cancel_response(state: GatewayState, response_id: str, owner: str) -> dict[str, Any]:

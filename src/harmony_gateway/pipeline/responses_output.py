@@ -61,13 +61,20 @@ def browser_action(recipient: str, arguments: str) -> dict[str, Any]:
 class ResponseBuilder:
     """Accumulates one response's output items and, when streaming, its SSE frames."""
 
-    def __init__(self, envelope: dict[str, Any], *, stream: bool, sequence_start: int = 0) -> None:
+    def __init__(
+        self, envelope: dict[str, Any], *, stream: bool, sequence_start: int = 0, record: bool = False
+    ) -> None:
         self.envelope = envelope  # the Response object without output/status/usage
         self.output: list[dict[str, Any]] = []
-        self.stream = stream
+        self.stream = stream or record
         self.sequence = sequence_start
         self._open: dict[int, tuple[dict[str, Any], int]] = {}  # id(msg) -> (item, output_index)
         self.frames: list[bytes] = []
+        #: Recording (background responses): each event with its frame, kept for the event log and
+        #: live subscribers instead of `frames`. Framed at emit time, so later item updates never leak in.
+        self.events: list[tuple[dict[str, Any], bytes]] | None = [] if record else None
+        #: The final Response once `finish` ran (its terminal event emitted).
+        self.final: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
         #: The request's tool loop (`mcp.tool_loop.ToolLoop`), which decides how tool calls are reported.
         self.tools: Any = None
@@ -84,11 +91,24 @@ class ResponseBuilder:
         if self.stream:
             event["sequence_number"] = self.sequence
             self.sequence += 1
-            self.frames.append(frame(event))
+            if self.events is not None:
+                self.events.append((event, frame(event)))
+            else:
+                self.frames.append(frame(event))
+
+    def ready(self) -> bool:
+        """True when events were emitted since the last `take` / `take_events`."""
+        return bool(self.frames or self.events)
 
     def take(self) -> bytes:
         out = b"".join(self.frames)
         self.frames.clear()
+        return out
+
+    def take_events(self) -> list[tuple[dict[str, Any], bytes]]:
+        """The recorded events since the last call (recording builders only)."""
+        out = self.events or []
+        self.events = []
         return out
 
     def snapshot(self, status: str, **extra: Any) -> dict[str, Any]:
@@ -100,8 +120,15 @@ class ResponseBuilder:
         return body
 
     def start(self, status: str = "in_progress") -> None:
+        """`response.created` with `status` (queued for background), then `response.in_progress`."""
+        self.announce_created(status)
+        self.announce_in_progress()
+
+    def announce_created(self, status: str) -> None:
         self.emit({"type": "response.created", "response": self.snapshot(status)})
-        self.emit({"type": "response.in_progress", "response": self.snapshot(status)})
+
+    def announce_in_progress(self) -> None:
+        self.emit({"type": "response.in_progress", "response": self.snapshot("in_progress")})
 
     # -- items ------------------------------------------------------------------------------------
     def add_item(self, item: dict[str, Any]) -> int:
@@ -565,6 +592,7 @@ class ResponseBuilder:
             "cancelled": "response.failed",
         }[status]
         self.emit({"type": terminal, "response": body})
+        self.final = body
         return body
 
 
