@@ -644,8 +644,11 @@ async def persist(
             record.metadata[RUNNER_KEY] = state.background.runner_id
         await state.store.put_response(record)
     if plan.conversation_id:
+        # An item_reference points at an item that is already stored (in this conversation or a
+        # response): the conversation gets the new items only, never a second copy of that id.
+        new_inputs = [item for item in plan.input_items if item.get("type") != "item_reference"]
         added = await state.store.add_conversation_items(
-            plan.conversation_id, plan.owner, [*plan.input_items, *body["output"]]
+            plan.conversation_id, plan.owner, [*new_inputs, *body["output"]]
         )
         if added is None:
             raise NotFound(f"Conversation with id {plan.conversation_id!r} not found", param="conversation")
