@@ -89,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         cache_key=args.cache_key,
         bootstrap_port=args.bootstrap_port,
         max_retries=args.max_retries,
+        stream_interval=args.stream_interval,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         health_failure_threshold=args.health_failure_threshold,
@@ -187,6 +188,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=8998,
         help="PD bootstrap port when a prefill worker does not report one",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas)",
     )
     p.add_argument(
         "--max-retries",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from ..engines.base import BootstrapInfo, GenerateRequest
 from ..routing.workers import Worker
@@ -23,11 +24,16 @@ def build_generate_request(
     stream: bool,
     bootstrap: BootstrapInfo | None = None,
     input_ids: list[int] | None = None,
+    stream_interval: int | None = None,
 ) -> GenerateRequest:
+    sampling = prepared.sampling
+    if stream and stream_interval and sampling.stream_interval is None:
+        # Fewer, larger engine messages: each gRPC message costs a Python client far more than a token.
+        sampling = replace(sampling, stream_interval=stream_interval)
     return GenerateRequest(
         request_id=ctx.request_id,
         input_ids=prepared.input_ids if input_ids is None else input_ids,
-        sampling=prepared.sampling,
+        sampling=sampling,
         stream=stream,
         original_text=prepared.original_text,
         return_logprob=prepared.return_logprob,

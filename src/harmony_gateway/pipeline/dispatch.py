@@ -115,7 +115,12 @@ async def dispatch(
         ctx.worker, ctx.prefill_worker = worker, prefill
         bootstrap = bootstrap_for(prefill, settings.bootstrap_port) if prefill is not None else None
         request = build_generate_request(
-            prepared, ctx, stream=stream, bootstrap=bootstrap, input_ids=input_ids
+            prepared,
+            ctx,
+            stream=stream,
+            bootstrap=bootstrap,
+            input_ids=input_ids,
+            stream_interval=settings.stream_interval,
         )
         yielded = False
         finished = False
