@@ -514,6 +514,11 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
     import uvicorn
 
     os.environ[_ARGV_ENV] = json.dumps(argv)
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # /metrics must add up every process's counters, whichever process answers the scrape.
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="harmony-gateway-metrics-")
     uvicorn.run(
         "harmony_gateway.cli:app_from_env",
         factory=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -118,3 +119,31 @@ async def _kill_and_reread(sim, storage: list[str]) -> None:
             restarted.stop()
     finally:
         gateway.kill()
+
+
+async def test_restart_marks_interrupted_background_responses_failed(tmp_path) -> None:
+    from harmony_gateway.sim import SimConfig, start_sim_engine
+
+    storage = ["--storage", f"sqlite:///{tmp_path / 'responses.db'}"]
+    async with await start_sim_engine(SimConfig(tokens_per_second=20)) as slow:
+        gateway = await start_gateway_process(*storage, "--worker-url", slow.url)
+        try:
+            async with _client(gateway.base_url) as c:
+                running = await c.responses.create(
+                    model=MODEL, input="[[long]] take your time", background=True
+                )
+                for _ in range(100):
+                    if (await c.responses.retrieve(running.id)).status == "in_progress":
+                        break
+                    await asyncio.sleep(0.05)
+            gateway.kill()
+            restarted = await start_gateway_process(*storage, "--worker-url", slow.url, port=gateway.port)
+            try:
+                async with _client(restarted.base_url) as c:
+                    after = await c.responses.retrieve(running.id)
+                    assert after.status == "failed"
+                    assert "restarted" in after.error.message
+            finally:
+                restarted.stop()
+        finally:
+            gateway.kill()

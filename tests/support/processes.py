@@ -44,8 +44,8 @@ class GatewayProcess:
                 self.kill()
 
 
-async def start_gateway_process(*args: str, timeout: float = 30.0) -> GatewayProcess:
-    port = free_port()
+async def start_gateway_process(*args: str, timeout: float = 30.0, port: int | None = None) -> GatewayProcess:
+    port = port or free_port()
     cmd = [
         sys.executable,
         "-m",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import Coroutine
@@ -22,7 +23,36 @@ RUNNER_KEY = "_runner"
 
 
 def default_runner_id(port: int) -> str:
-    return f"{socket.gethostname()}:{port}"
+    """`host:port:pid`: which gateway process runs a background response. The pid tells processes of
+    one `serve --workers N` apart, and lets a restarted process recognise work whose process is gone."""
+    return f"{socket.gethostname()}:{port}:{os.getpid()}"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphaned(runner: str | None, me: str) -> bool:
+    """True when the process that ran a response is gone: it ran on this host and port (or the record
+    predates runner ids) and its pid is no longer alive. Work of other hosts, other ports and live
+    sibling processes is never touched."""
+    if runner is None:
+        return True
+    if runner == me:
+        return True
+    host, _, rest = runner.partition(":")
+    port, _, pid = rest.partition(":")
+    my_host, _, my_rest = me.partition(":")
+    my_port = my_rest.partition(":")[0]
+    if host != my_host or port != my_port:
+        return False
+    return not (pid.isdigit() and _process_alive(int(pid)))
 
 
 class BackgroundRunner:
@@ -71,8 +101,8 @@ async def fail_interrupted(store: Any, runner_id: str) -> int:
     stale = await store.list_responses_with_status({"queued", "in_progress"}, background_only=True)
     count = 0
     for record in stale:
-        if record.metadata.get(RUNNER_KEY) not in (None, runner_id):
-            continue  # another replica's work
+        if not orphaned(record.metadata.get(RUNNER_KEY), runner_id):
+            continue  # another replica's or a live sibling process's work
         record.status = "failed"
         record.updated_at = time.time()
         record.response = dict(
