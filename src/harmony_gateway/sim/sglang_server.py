@@ -26,17 +26,14 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from .server import (
     ChoicePlan,
-    PromptRejected,
     ReceivedRequest,
-    SimulatedFailure,
     capture_handlers,
-    fake_logprob,
-    fake_top_logprobs,
     serialize_response,
 )
+from .servicer import SimServicer, admitted, fake_output_logprobs, model_info_fields, wait_prefill
 
 if TYPE_CHECKING:
-    from .server import Run, SimCore
+    from .server import Run
 
 SERVICE_NAME = "sglang.grpc.scheduler.SglangScheduler"
 #: GetTokenizer chunk size; small, so that even a test tokenizer arrives in several chunks.
@@ -45,27 +42,15 @@ _VERSION = "sim-0.1"
 
 
 def output_logprobs(tokens: list[int], first_position: int, top: int) -> pb.OutputLogProbs:
-    out = pb.OutputLogProbs(
-        token_logprobs=[fake_logprob(t, first_position + i) for i, t in enumerate(tokens)],
-        token_ids=tokens,
-    )
-    if top > 0:
-        for i, token in enumerate(tokens):
-            values, ids = fake_top_logprobs(token, first_position + i, top)
-            out.top_logprobs.append(pb.TopLogProbs(values=values, token_ids=ids))
-    return out
+    return fake_output_logprobs(pb, tokens, first_position, top)
 
 
-class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
+class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
     """SglangScheduler over a `SimCore`; RPCs it does not simulate answer UNIMPLEMENTED."""
-
-    def __init__(self, core: SimCore) -> None:
-        self._core = core
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse | bytes]:
-        core = self._core
         ids = list(request.tokenized.input_ids)
         received = ReceivedRequest(
             request_id=request.request_id,
@@ -80,16 +65,9 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
             received.bootstrap_host = params.bootstrap_host or None
             received.bootstrap_port = params.bootstrap_port or None
             received.bootstrap_room = params.bootstrap_room  # room 0 is a valid room
-        run = core.admit(received)
-        try:
+        async with admitted(self._core, received, context) as run:
             async for response in self._generate(request, run, ids):
                 yield response
-        except SimulatedFailure as exc:
-            await context.abort(exc.code, exc.message)
-        except PromptRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            core.release(run)
 
     async def _generate(
         self, request: pb.GenerateRequest, run: Run, ids: list[int]
@@ -101,10 +79,7 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
         prompt_tokens = len(ids)
         cached = run.cached_tokens
         if config.mode == "prefill":
-            # The prefill half of a PD pair only fills the KV cache; the decode worker streams the tokens.
-            if prompt_tokens >= config.max_context_length:
-                raise PromptRejected(f"The input ({prompt_tokens} tokens) is longer than the context length.")
-            await run.wait_whole([])
+            await wait_prefill(run, config, prompt_tokens)
             complete = pb.GenerateComplete(
                 finish_reason="stop", prompt_tokens=prompt_tokens, cached_tokens=cached
             )
@@ -250,22 +225,7 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
     ) -> pb.GetModelInfoResponse:
         config = self._core.config
         return pb.GetModelInfoResponse(
-            model_path=config.model,
-            tokenizer_path="",
-            is_generation=True,
-            preferred_sampling_params="",
-            weight_version="sim",
-            served_model_name=config.model,
-            max_context_length=config.max_context_length,
-            vocab_size=201088 if config.harmony else 32000,
-            supports_vision=False,
-            model_type="gpt_oss" if config.harmony else "qwen2",
-            architectures=["GptOssForCausalLM"] if config.harmony else ["Qwen2ForCausalLM"],
-            eos_token_ids=list(config.eos_token_ids),
-            pad_token_id=199999 if config.harmony else 0,
-            bos_token_id=199998 if config.harmony else 1,
-            max_req_input_len=config.max_context_length,
-            default_sampling_params_json="",
+            **model_info_fields(config), preferred_sampling_params="", weight_version="sim"
         )
 
     async def GetServerInfo(
@@ -331,9 +291,7 @@ class SimSglangScheduler(pb_grpc.SglangSchedulerServicer):
                 data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
             )
 
-    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
-
+    _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
     FlushCache = _unimplemented
     StartProfile = _unimplemented

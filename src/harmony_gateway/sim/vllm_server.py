@@ -30,14 +30,12 @@ from .server import (
     ChoicePlan,
     PromptRejected,
     ReceivedRequest,
-    SimulatedFailure,
-    fake_logprob,
-    fake_top_logprobs,
     parse_kv_transfer_params,
 )
+from .servicer import SimServicer, admitted, fake_output_logprobs, model_info_fields, wait_prefill
 
 if TYPE_CHECKING:
-    from .server import Run, SimCore
+    from .server import Run
 
 SERVICE_NAME = "vllm.grpc.engine.VllmEngine"
 _VERSION = "sim-0.1"
@@ -45,27 +43,15 @@ _ALL_LOGPROBS = 5  # `logprobs=-1` means "all"; a handful is enough for a fake v
 
 
 def output_logprobs(tokens: list[int], first_position: int, top: int) -> pb.OutputLogProbs:
-    out = pb.OutputLogProbs(
-        token_logprobs=[fake_logprob(t, first_position + i) for i, t in enumerate(tokens)],
-        token_ids=tokens,
-    )
-    if top > 0:
-        for i, token in enumerate(tokens):
-            values, ids = fake_top_logprobs(token, first_position + i, top)
-            out.top_logprobs.append(pb.TopLogProbs(values=values, token_ids=ids))
-    return out
+    return fake_output_logprobs(pb, tokens, first_position, top)
 
 
-class SimVllmEngine(pb_grpc.VllmEngineServicer):
+class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
     """VllmEngine over a `SimCore`; RPCs it does not simulate answer UNIMPLEMENTED."""
-
-    def __init__(self, core: SimCore) -> None:
-        self._core = core
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.GenerateResponse]:
-        core = self._core
         if request.WhichOneof("input") != "tokenized":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "the simulated engine needs tokenized input"
@@ -84,16 +70,9 @@ class SimVllmEngine(pb_grpc.VllmEngineServicer):
             received.kv_transfer_params = self._kv_params(request)
         except PromptRejected as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        run = core.admit(received)
-        try:
+        async with admitted(self._core, received, context) as run:
             async for response in self._generate(request, run, ids):
                 yield response
-        except SimulatedFailure as exc:
-            await context.abort(exc.code, exc.message)
-        except PromptRejected as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finally:
-            core.release(run)
 
     @staticmethod
     def _kv_params(request: pb.GenerateRequest) -> dict[str, Any] | None:
@@ -113,9 +92,7 @@ class SimVllmEngine(pb_grpc.VllmEngineServicer):
         prompt_tokens = len(ids)
         cached = run.cached_tokens
         if config.mode == "prefill":
-            if prompt_tokens >= config.max_context_length:
-                raise PromptRejected(f"The input ({prompt_tokens} tokens) is longer than the context length.")
-            await run.wait_whole([])
+            await wait_prefill(run, config, prompt_tokens)
             handoff = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -227,22 +204,7 @@ class SimVllmEngine(pb_grpc.VllmEngineServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetModelInfoResponse:
         config = self._core.config
-        return pb.GetModelInfoResponse(
-            model_path=config.model,
-            is_generation=True,
-            max_context_length=config.max_context_length,
-            vocab_size=201088 if config.harmony else 32000,
-            supports_vision=False,
-            served_model_name=config.model,
-            tokenizer_path="",
-            model_type="gpt_oss" if config.harmony else "qwen2",
-            architectures=["GptOssForCausalLM"] if config.harmony else ["Qwen2ForCausalLM"],
-            eos_token_ids=list(config.eos_token_ids),
-            pad_token_id=199999 if config.harmony else 0,
-            bos_token_id=199998 if config.harmony else 1,
-            max_req_input_len=config.max_context_length,
-            default_sampling_params_json="",
-        )
+        return pb.GetModelInfoResponse(**model_info_fields(config))
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -272,9 +234,7 @@ class SimVllmEngine(pb_grpc.VllmEngineServicer):
             timestamp=datetime.now(UTC).isoformat(), version=_VERSION, dp_rank_count=1, loads=[load]
         )
 
-    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
-
+    _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
     FlushCache = _unimplemented
     StartProfile = _unimplemented

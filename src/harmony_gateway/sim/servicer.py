@@ -1,0 +1,93 @@
+"""What the SGLang and vLLM servicers of the simulated engine share.
+
+`admitted` holds a request in the `SimCore` for the length of one Generate call and turns the simulated
+failures into gRPC status codes; `wait_prefill` is the prefill half of a PD pair; `fake_output_logprobs`
+and `model_info_fields` build the parts of the answers whose fields both protocols spell alike.
+`SimServicer` carries the core and the UNIMPLEMENTED answer for RPCs the simulator does not model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from .server import PromptRejected, SimulatedFailure, fake_logprob, fake_top_logprobs
+
+if TYPE_CHECKING:
+    from .server import ReceivedRequest, Run, SimConfig, SimCore
+
+
+@asynccontextmanager
+async def admitted(
+    core: SimCore, received: ReceivedRequest, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Run]:
+    """Admit `received` and release it on exit; a simulated failure or rejected prompt aborts the RPC."""
+    run = core.admit(received)
+    try:
+        yield run
+    except SimulatedFailure as exc:
+        await context.abort(exc.code, exc.message)
+    except PromptRejected as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    finally:
+        core.release(run)
+
+
+async def wait_prefill(run: Run, config: SimConfig, prompt_tokens: int) -> None:
+    """The prefill half of a PD pair only fills the KV cache; the decode worker streams the tokens.
+
+    Raises `PromptRejected` when the prompt does not fit the context.
+    """
+    if prompt_tokens >= config.max_context_length:
+        raise PromptRejected(f"The input ({prompt_tokens} tokens) is longer than the context length.")
+    await run.wait_whole([])
+
+
+def fake_output_logprobs(pb: ModuleType, tokens: list[int], first_position: int, top: int) -> Any:
+    """`pb.OutputLogProbs` for `tokens` starting at `first_position`, with `top` alternatives each."""
+    out = pb.OutputLogProbs(
+        token_logprobs=[fake_logprob(t, first_position + i) for i, t in enumerate(tokens)],
+        token_ids=tokens,
+    )
+    if top > 0:
+        for i, token in enumerate(tokens):
+            values, ids = fake_top_logprobs(token, first_position + i, top)
+            out.top_logprobs.append(pb.TopLogProbs(values=values, token_ids=ids))
+    return out
+
+
+def model_info_fields(config: SimConfig) -> dict[str, Any]:
+    """The `GetModelInfoResponse` fields both protocols name alike."""
+    return {
+        "model_path": config.model,
+        "tokenizer_path": "",
+        "is_generation": True,
+        "served_model_name": config.model,
+        "max_context_length": config.max_context_length,
+        "vocab_size": 201088 if config.harmony else 32000,
+        "supports_vision": False,
+        "model_type": "gpt_oss" if config.harmony else "qwen2",
+        "architectures": ["GptOssForCausalLM"] if config.harmony else ["Qwen2ForCausalLM"],
+        "eos_token_ids": list(config.eos_token_ids),
+        "pad_token_id": 199999 if config.harmony else 0,
+        "bos_token_id": 199998 if config.harmony else 1,
+        "max_req_input_len": config.max_context_length,
+        "default_sampling_params_json": "",
+    }
+
+
+class SimServicer:
+    """Base of the protocol servicers: holds the `SimCore`."""
+
+    def __init__(self, core: SimCore) -> None:
+        self._core = core
+
+    async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
+
+
+__all__ = ["SimServicer", "admitted", "fake_output_logprobs", "model_info_fields", "wait_prefill"]
