@@ -18,63 +18,22 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
-from .base import EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
+from .base import EngineChunk, GenerateRequest, ModelInfo
+from .grpc_common import GrpcEngineClient, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 
-
-def grpc_target(url: str) -> str:
-    for prefix in ("grpc://", "grpcs://"):
-        if url.startswith(prefix):
-            return url[len(prefix) :].rstrip("/")
-    return url
-
-
-def _logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
-    if lp is None or not lp.token_ids:
-        return None
-    out = []
-    tops = lp.top_logprobs
-    for i, (tid, value) in enumerate(zip(lp.token_ids, lp.token_logprobs, strict=False)):
-        top = []
-        if i < len(tops):
-            top = list(zip(tops[i].token_ids, tops[i].values, strict=False))
-        out.append(TokenLogprob(tid, value, top))
-    return out[start:]
-
-
-class SglangGrpcClient:
+class SglangGrpcClient(GrpcEngineClient):
     """One channel per worker, reused by every request."""
 
     engine = "sglang"
+    _pb = pb
+    _stub_type = pb_grpc.SglangSchedulerStub
 
-    def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
-        self.url = url
-        self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.SglangSchedulerStub(self._channel)
-        self._request_timeout = request_timeout
-
-    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
-        with map_grpc_errors(self.url):
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
-        return ModelInfo(
-            served_model_name=info.served_model_name or info.model_path,
-            model_type=info.model_type,
-            architectures=list(info.architectures),
-            max_context_length=info.max_context_length,
-            eos_token_ids=list(info.eos_token_ids),
-            default_sampling=ModelInfo.parse_sampling_json(
-                info.default_sampling_params_json, info.preferred_sampling_params
-            ),
-            tokenizer_path=info.tokenizer_path,
+    @staticmethod
+    def _default_sampling(info: Any) -> dict[str, Any]:
+        return ModelInfo.parse_sampling_json(
+            info.default_sampling_params_json, info.preferred_sampling_params
         )
 
     async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
@@ -97,11 +56,6 @@ class SglangGrpcClient:
         if digest and hashlib.sha256(data).hexdigest() != digest.lower():
             raise UpstreamError(f"the tokenizer sent by {self.url} does not match its SHA-256")
         return data
-
-    async def health(self, timeout: float) -> bool:
-        with map_grpc_errors(self.url):
-            reply = await self._stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
-        return bool(reply.healthy)
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         with map_grpc_errors(self.url):
@@ -171,7 +125,7 @@ class SglangGrpcClient:
                         c.prompt_tokens,
                         c.completion_tokens,
                         c.cached_tokens,
-                        _logprobs(c.output_logprobs) if request.return_logprob else None,
+                        token_logprobs(c.output_logprobs) if request.return_logprob else None,
                     )
                 elif which == "complete":
                     c = reply.complete
@@ -184,7 +138,7 @@ class SglangGrpcClient:
                         c.prompt_tokens,
                         c.completion_tokens,
                         c.cached_tokens,
-                        None if stream or not request.return_logprob else _logprobs(c.output_logprobs),
+                        None if stream or not request.return_logprob else token_logprobs(c.output_logprobs),
                         True,
                         c.finish_reason or "stop",
                         matched,
@@ -195,6 +149,3 @@ class SglangGrpcClient:
         finally:
             if not call.done():
                 call.cancel()
-
-    async def close(self) -> None:
-        await self._channel.close(grace=None)

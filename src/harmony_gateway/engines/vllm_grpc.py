@@ -28,9 +28,9 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .base import BootstrapInfo, EngineChunk, GenerateRequest, ModelInfo
+from .base import BootstrapInfo, EngineChunk, GenerateRequest
+from .grpc_common import GrpcEngineClient, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
-from .sglang_grpc import CHANNEL_OPTIONS, _logprobs, grpc_target
 
 #: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
 KV_PRODUCER = "kv_producer"
@@ -60,31 +60,17 @@ def kv_transfer_params(bootstrap: BootstrapInfo, kv_role: str) -> dict[str, Any]
     }
 
 
-class VllmGrpcClient:
+class VllmGrpcClient(GrpcEngineClient):
     """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`."""
 
     engine = "vllm"
+    _pb = pb
+    _stub_type = pb_grpc.VllmEngineStub
 
     def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
-        self.url = url
-        self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.VllmEngineStub(self._channel)
-        self._request_timeout = request_timeout
+        super().__init__(url, request_timeout=request_timeout)
         #: `GetServerInfo.kv_role`, learned once on the first PD request (or `server_info()`).
         self.kv_role: str | None = None
-
-    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
-        with map_grpc_errors(self.url):
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
-        return ModelInfo(
-            served_model_name=info.served_model_name or info.model_path,
-            model_type=info.model_type,
-            architectures=list(info.architectures),
-            max_context_length=info.max_context_length,
-            eos_token_ids=list(info.eos_token_ids),
-            default_sampling=ModelInfo.parse_sampling_json(info.default_sampling_params_json),
-            tokenizer_path=info.tokenizer_path,
-        )
 
     async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
         """`GetServerInfo` as a dict keyed by proto field names (`kv_role`, `kv_connector`, ...)."""
@@ -92,11 +78,6 @@ class VllmGrpcClient:
             info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
         self.kv_role = info.kv_role
         return json_format.MessageToDict(info, preserving_proto_field_name=True)
-
-    async def health(self, timeout: float) -> bool:
-        with map_grpc_errors(self.url):
-            reply = await self._stub.HealthCheck(pb.HealthCheckRequest(), timeout=timeout)
-        return bool(reply.healthy)
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         with map_grpc_errors(self.url):
@@ -175,7 +156,7 @@ class VllmGrpcClient:
                         c.prompt_tokens,
                         total,
                         c.cached_tokens,
-                        _logprobs(c.output_logprobs) if want_logprobs else None,
+                        token_logprobs(c.output_logprobs) if want_logprobs else None,
                     )
                 elif which == "complete":
                     c = reply.complete
@@ -186,7 +167,7 @@ class VllmGrpcClient:
                         c.prompt_tokens,
                         max(generated.get(c.index, 0), c.completion_tokens),
                         c.cached_tokens,
-                        None if stream or not want_logprobs else _logprobs(c.output_logprobs),
+                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
                         True,
                         c.finish_reason or "stop",
                         c.matched_token_id if matched_stop == "matched_token_id" else None,
@@ -197,9 +178,6 @@ class VllmGrpcClient:
         finally:
             if not call.done():
                 call.cancel()
-
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
 
 
 __all__ = ["KV_PRODUCER", "VllmGrpcClient", "kv_transfer_params"]

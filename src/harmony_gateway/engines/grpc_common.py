@@ -1,0 +1,93 @@
+"""Plumbing the SGLang and vLLM gRPC engine clients share.
+
+`GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`) and answers `health`,
+`model_info` and `close` for either wire, whose messages for those RPCs are spelled alike;
+`token_logprobs` converts an `OutputLogProbs` message of either wire. Request building and chunk
+normalisation stay in each engine module, so `pipeline/` sees one shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, ClassVar
+
+import grpc
+
+from .base import ModelInfo, TokenLogprob
+from .grpc_errors import map_grpc_errors
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def grpc_target(url: str) -> str:
+    for prefix in ("grpc://", "grpcs://"):
+        if url.startswith(prefix):
+            return url[len(prefix) :].rstrip("/")
+    return url
+
+
+def token_logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
+    """`OutputLogProbs` as `TokenLogprob`s from position `start`; None when it carries no tokens."""
+    if lp is None or not lp.token_ids:
+        return None
+    out = []
+    tops = lp.top_logprobs
+    for i, (tid, value) in enumerate(zip(lp.token_ids, lp.token_logprobs, strict=False)):
+        top = []
+        if i < len(tops):
+            top = list(zip(tops[i].token_ids, tops[i].values, strict=False))
+        out.append(TokenLogprob(tid, value, top))
+    return out[start:]
+
+
+class GrpcEngineClient:
+    """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`.
+
+    A subclass names its wire in `_pb` (the generated `*_pb2` module) and `_stub_type` (its stub class).
+    """
+
+    _pb: ClassVar[ModuleType]
+    _stub_type: ClassVar[Callable[[grpc.aio.Channel], Any]]
+
+    def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
+        self.url = url
+        self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
+        self._stub = self._stub_type(self._channel)
+        self._request_timeout = request_timeout
+
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetModelInfo(self._pb.GetModelInfoRequest(), timeout=timeout)
+        return ModelInfo(
+            served_model_name=info.served_model_name or info.model_path,
+            model_type=info.model_type,
+            architectures=list(info.architectures),
+            max_context_length=info.max_context_length,
+            eos_token_ids=list(info.eos_token_ids),
+            default_sampling=self._default_sampling(info),
+            tokenizer_path=info.tokenizer_path,
+        )
+
+    @staticmethod
+    def _default_sampling(info: Any) -> dict[str, Any]:
+        """The sampling defaults a `GetModelInfoResponse` advertises."""
+        return ModelInfo.parse_sampling_json(info.default_sampling_params_json)
+
+    async def health(self, timeout: float) -> bool:
+        with map_grpc_errors(self.url):
+            reply = await self._stub.HealthCheck(self._pb.HealthCheckRequest(), timeout=timeout)
+        return bool(reply.healthy)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+__all__ = ["CHANNEL_OPTIONS", "GrpcEngineClient", "grpc_target", "token_logprobs"]
