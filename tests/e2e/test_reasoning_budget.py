@@ -156,3 +156,27 @@ async def test_anthropic_stream_thinking_budget(anthropic_client: anthropic.Asyn
     assert message.content[0].signature
     assert message.content[1].text == 'You said: "Explain the plan". This is a simulated answer.'
     assert message.usage.output_tokens > BUDGET
+
+
+async def test_budget_hits_are_counted_in_metrics(
+    client: openai.AsyncOpenAI, gateway: RunningGateway
+) -> None:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def hits(text: str) -> float:
+        for family in text_string_to_metric_families(text):
+            if family.name == "harmony_reasoning_budget_exceeded":
+                return sum(s.value for s in family.samples if s.labels.get("route") == "chat")
+        return 0.0
+
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        before = hits((await http.get("/metrics")).text)
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": LONG}],
+            extra_body={"max_reasoning_tokens": BUDGET},
+        )
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "short"}])
+        after = hits((await http.get("/metrics")).text)
+    assert after == before + 1

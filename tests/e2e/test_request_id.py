@@ -42,3 +42,19 @@ async def test_request_id_reaches_the_engine_and_the_log(
     streamed = orjson.loads(JsonFormatter().format(records[1]))
     assert streamed["request_id"] == generated and streamed["completion_tokens"] > 0
     assert (SECRET in repr(line)) is log_prompts
+
+
+async def test_missing_and_wrong_keys_are_401_with_a_request_id(sim) -> None:
+    settings = gateway_settings(worker_urls=(sim.url,), api_keys=frozenset({"right"}))
+    async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        body = {"model": "openai/gpt-oss-20b", "messages": [{"role": "user", "content": "hi"}]}
+        missing = await http.post("/v1/chat/completions", json=body, headers={"x-request-id": "rid-401"})
+        assert missing.status_code == 401
+        assert missing.headers["x-request-id"] == "rid-401"
+        assert missing.json()["error"]["type"] == "authentication_error"
+        wrong = await http.post(
+            "/v1/responses", json={"model": "m", "input": "x"}, headers={"authorization": "Bearer no"}
+        )
+        assert wrong.status_code == 401 and wrong.headers["x-request-id"]
+        ok = await http.post("/v1/chat/completions", json=body, headers={"authorization": "Bearer right"})
+        assert ok.status_code == 200

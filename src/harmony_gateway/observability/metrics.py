@@ -124,7 +124,7 @@ class GatewayMetrics:
         )
         # The Responses tool loop (pipeline/responses.py, mcp/tool_loop.py).
         self.mcp_iterations = Histogram(
-            "gateway_mcp_iterations",
+            "harmony_mcp_iterations",
             "Model generations per Responses request that offered gateway-executed tools",
             ["model"],
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
@@ -146,6 +146,12 @@ class GatewayMetrics:
         )
         self.harmony_requests = Counter(
             "harmony_requests_total", "Requests served by a Harmony model", registry=r
+        )
+        self.harmony_reasoning_budget_exceeded = Counter(
+            "harmony_reasoning_budget_exceeded_total",
+            "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
+            ["route", "model"],
+            registry=r,
         )
         self.harmony_parsing_errors = Counter(
             "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable", registry=r
@@ -206,6 +212,8 @@ class GatewayMetrics:
             self.ttft.labels(route, model).observe(first - ctx.started)
             if ctx.completion_tokens > 1:
                 self.itl.labels(route, model).observe((now - first) / (ctx.completion_tokens - 1))
+        if ctx.log_extra.get("reasoning_budget_exceeded"):
+            self.harmony_reasoning_budget_exceeded.labels(route, model).inc()
         if ctx.parsers:
             self.observe_harmony(ctx.parsers)
         if ctx.text_stats:
