@@ -40,7 +40,9 @@ def owner_of(state: GatewayState, request: Request) -> str:
 
 
 def new_context(request: Request, route: str, state: GatewayState) -> RequestContext:
-    request_id = getattr(request.state, "request_id", None) or new_request_id()
+    request_id = (
+        getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or new_request_id()
+    )
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
     owner = owner_of(state, request)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
