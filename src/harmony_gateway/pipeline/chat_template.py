@@ -31,7 +31,7 @@ from .prepare import (
     SELECTION_TEXT_CHARS,
     apply_tool_choice,
     chat_function_tools,
-    sampling_options,
+    request_sampling,
     stop_strings,
     text_of,
     token_budget,
@@ -217,18 +217,7 @@ async def prepare_chat_template(
         prompt, input_ids = await anyio.to_thread.run_sync(_render_and_encode, tok, request)
     else:
         prompt, input_ids = _render_and_encode(tok, request)
-    sampling = sampling_options(
-        group,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        seed=request.seed,
-        n=request.n,
-    )
+    sampling = request_sampling(group, request)
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = list(request.stop_token_ids or ())

@@ -43,7 +43,7 @@ from ..errors import GatewayError, InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
-from .prepare import SELECTION_TEXT_CHARS, sampling_options, token_budget
+from .prepare import SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
 from .run import _chain, _open_stream
 
 _dumps = orjson.dumps
@@ -549,18 +549,7 @@ async def run_completions(
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         ids = encode_prompt(state, group, prompt, param=param)
         prompt_ids.append(ids)
-        sampling = sampling_options(
-            group,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            repetition_penalty=request.repetition_penalty,
-            frequency_penalty=request.frequency_penalty,
-            presence_penalty=request.presence_penalty,
-            seed=request.seed,
-            n=n,
-        )
+        sampling = request_sampling(group, request)
         sampling.stop = _stops(request.stop)
         sampling.stop_token_ids = list(request.stop_token_ids or ())
         sampling.ignore_eos = request.ignore_eos

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..api.schemas.chat import ChatCompletionRequest, ChatMessage
+from ..api.schemas.generate import CompletionRequest
 from ..engines.base import SamplingOptions
 from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS
@@ -286,6 +287,24 @@ def sampling_options(
     )
 
 
+def request_sampling(
+    group: ModelGroup, request: ChatCompletionRequest | CompletionRequest
+) -> SamplingOptions:
+    """`sampling_options` from the sampling fields Chat and Completions requests both carry."""
+    return sampling_options(
+        group,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        frequency_penalty=request.frequency_penalty,
+        presence_penalty=request.presence_penalty,
+        seed=request.seed,
+        n=request.n,
+    )
+
+
 def token_budget(group: ModelGroup, prompt_len: int, requested: int | None, *, param: str) -> int | None:
     context = group.info.max_context_length
     if context and prompt_len >= context:
@@ -344,18 +363,7 @@ async def prepare_chat(
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), (), response_format)
     input_ids = await render_harmony(state, prefix, history)
 
-    sampling = sampling_options(
-        group,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        seed=request.seed,
-        n=request.n,
-    )
+    sampling = request_sampling(group, request)
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = [*(request.stop_token_ids or ()), *ASSISTANT_STOP_IDS]
