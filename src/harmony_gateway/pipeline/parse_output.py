@@ -12,6 +12,7 @@ Streamed and non-streamed responses are both built from these deltas, so their t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..engines.base import EngineChunk
@@ -47,26 +48,41 @@ def feed_chunk(parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> list[tp.Ev
     return events
 
 
+def chat_finish_reason(stop_hit: bool, engine_finish: str | None, tool_calls: Sequence[object]) -> str:
+    """`stop` after a client stop string; then `length` (a call cut by length must not be executed); then
+    `tool_calls`; else `stop`."""
+    if stop_hit:
+        return "stop"
+    if engine_finish == "length":
+        return "length"
+    if tool_calls:
+        return "tool_calls"
+    return "stop"
+
+
 class StopScanner:
-    """Finds client stop strings in answer text, holding back a tail that may start a stop string."""
+    """Finds client stop strings in answer text, holding back a tail that may start a stop string. With
+    `keep=True` (`no_stop_trim`) the matched string stays in the emitted text."""
 
-    __slots__ = ("_buffer", "_hold", "_stops")
+    __slots__ = ("_buffer", "_hold", "_keep", "_stops")
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], *, keep: bool = False) -> None:
         self._stops = stops
         self._hold = max(len(s) for s in stops) - 1
+        self._keep = keep
         self._buffer = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         buffer = self._buffer + text
         cut = -1
+        length = 0
         for stop in self._stops:
             at = buffer.find(stop)
             if at >= 0 and (cut < 0 or at < cut):
-                cut = at
+                cut, length = at, len(stop)
         if cut >= 0:
             self._buffer = ""
-            return buffer[:cut], True
+            return buffer[: cut + length] if self._keep else buffer[:cut], True
         if self._hold and len(buffer) > self._hold:
             self._buffer = buffer[-self._hold :]
             return buffer[: -self._hold], False
@@ -202,11 +218,4 @@ class ChoiceOutput:
     # -- results ---------------------------------------------------------------------------------
     @property
     def finish_reason(self) -> str:
-        """`length` wins (a call cut by length must not be executed); then `tool_calls`; else `stop`."""
-        if self.stop_hit:
-            return "stop"
-        if self.engine_finish == "length":
-            return "length"
-        if self.tool_calls:
-            return "tool_calls"
-        return "stop"
+        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)

@@ -37,7 +37,7 @@ from ..harmony.text_parser import ParserStats
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
 from .output_parsers import ParserChain, build_parser_chain
-from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN
+from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, StopScanner, chat_finish_reason
 from .respond import ChatStreamWriter
 
 
@@ -59,38 +59,6 @@ class OutputSpec:
         return build_parser_chain(
             text_kind=self.text_kind, reasoning=self.reasoning_parser, tool_call=self.tool_call_parser
         )
-
-
-class TextStopScanner:
-    """Finds client stop strings in answer text, holding back a tail that may start one. With
-    `keep=True` (`no_stop_trim`) the matched string stays in the emitted text."""
-
-    __slots__ = ("_buffer", "_hold", "_keep", "_stops")
-
-    def __init__(self, stops: tuple[str, ...], *, keep: bool = False) -> None:
-        self._stops = stops
-        self._hold = max(len(s) for s in stops) - 1
-        self._keep = keep
-        self._buffer = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        buffer = self._buffer + text
-        cut = -1
-        length = 0
-        for stop in self._stops:
-            at = buffer.find(stop)
-            if at >= 0 and (cut < 0 or at < cut):
-                cut, length = at, len(stop)
-        if cut >= 0:
-            self._buffer = ""
-            return buffer[: cut + length] if self._keep else buffer[:cut], True
-        keep = min(self._hold, len(buffer))
-        self._buffer = buffer[len(buffer) - keep :]
-        return buffer[: len(buffer) - keep], False
-
-    def flush(self) -> str:
-        text, self._buffer = self._buffer, ""
-        return text
 
 
 @dataclass(slots=True, eq=False)
@@ -117,7 +85,7 @@ class TextChoiceOutput:
         self._tokenizer = spec.tokenizer
         self._detok = IncrementalDetokenizer(spec.tokenizer.tokenizer) if spec.tokenizer is not None else None
         self._stop = (
-            TextStopScanner(prepared.stop_strings, keep=spec.no_stop_trim) if prepared.stop_strings else None
+            StopScanner(prepared.stop_strings, keep=spec.no_stop_trim) if prepared.stop_strings else None
         )
         self.want_logprobs = prepared.return_logprob
         self.stop_hit = False
@@ -351,14 +319,7 @@ class TextChoiceOutput:
     # -- results ---------------------------------------------------------------------------------
     @property
     def finish_reason(self) -> str:
-        """`stop` after a stop string; `length` wins over tool calls (a cut call must not run)."""
-        if self.stop_hit:
-            return "stop"
-        if self.engine_finish == "length":
-            return "length"
-        if self.tool_calls:
-            return "tool_calls"
-        return "stop"
+        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)
 
 
 class LogprobChatStreamWriter(ChatStreamWriter):
@@ -415,7 +376,6 @@ __all__ = [
     "LogprobChatStreamWriter",
     "OutputSpec",
     "TextChoiceOutput",
-    "TextStopScanner",
     "TextToolCall",
     "add_logprobs",
     "new_call_id",
