@@ -72,7 +72,7 @@ from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
-from .run import _open_stream
+from .run import _open_stream, await_first_chunk
 
 log = logging.getLogger(__name__)
 
@@ -470,15 +470,7 @@ async def _open_iteration(
     if pinned is None:
         return await _open_stream(state, plan.prepared, ctx, stream=True)
     dispatched = dispatch(state, plan.prepared, ctx, stream=True, pinned=pinned)
-    chunks = with_reasoning_budget(state, plan.prepared, ctx, dispatched)
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        return chunks, None
-    except BaseException:
-        await chunks.aclose()
-        raise
-    return chunks, first
+    return await await_first_chunk(with_reasoning_budget(state, plan.prepared, ctx, dispatched))
 
 
 async def generate(

@@ -41,6 +41,14 @@ async def _open_stream(
     if prepared.max_reasoning_tokens is not None:
         stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
     chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
+    return await await_first_chunk(chunks)
+
+
+async def await_first_chunk(
+    chunks: AsyncIterator[EngineChunk],
+) -> tuple[AsyncIterator[EngineChunk], EngineChunk | None]:
+    """`chunks` with its first chunk taken (None for an empty stream); a failure closes `chunks`, which
+    aborts the engine request, and propagates."""
     try:
         first = await anext(chunks)
     except StopAsyncIteration:
