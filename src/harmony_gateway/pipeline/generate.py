@@ -480,6 +480,10 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     return list(prompt)  # type: ignore[arg-type]
 
 
+def _logprob_lists() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
 class _LogprobBuilder:
     """Legacy completions logprobs for one choice: tokens, token_logprobs, top_logprobs, text_offset."""
 
@@ -488,32 +492,17 @@ class _LogprobBuilder:
     def __init__(self, decoder: TokenTextDecoder) -> None:
         self.decoder = decoder
         self.offset = 0
-        self.out: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        self.out = _logprob_lists()
 
     def add_prompt(self, ids: Sequence[int]) -> dict[str, list[Any]]:
-        part: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        part = _logprob_lists()
         for token in ids:
             text = self.decoder.token_text(token)
             self._append(part, text, None, None)
         return part
 
     def add(self, logprobs: Sequence[Any]) -> dict[str, list[Any]]:
-        part: dict[str, list[Any]] = {
-            "tokens": [],
-            "token_logprobs": [],
-            "top_logprobs": [],
-            "text_offset": [],
-        }
+        part = _logprob_lists()
         for lp in logprobs:
             top = {self.decoder.token_text(t): v for t, v in lp.top} if lp.top else {}
             self._append(part, self.decoder.token_text(lp.token_id), lp.logprob, top)
