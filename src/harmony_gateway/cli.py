@@ -59,6 +59,16 @@ def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
+def _stream_interval(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if value == "auto":
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--stream-interval expects a positive number or 'auto', got {value!r}")
+    return int(value)
+
+
 def _api_keys(args: argparse.Namespace) -> frozenset[str]:
     keys = set(args.api_key or ())
     if args.api_key_file:
@@ -89,7 +99,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         cache_key=args.cache_key,
         bootstrap_port=args.bootstrap_port,
         max_retries=args.max_retries,
-        stream_interval=args.stream_interval,
+        stream_interval=_stream_interval(args.stream_interval),
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
         health_failure_threshold=args.health_failure_threshold,
@@ -191,10 +201,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-interval",
-        type=int,
         default=None,
-        metavar="N",
-        help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas)",
+        metavar="N|auto",
+        help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas); "
+        "'auto' grows N with the worker's load",
     )
     p.add_argument(
         "--max-retries",

@@ -39,7 +39,8 @@ class Settings:
     cache_key: str = "tokens"  # tokens | selection-text
     bootstrap_port: int = 8998
     max_retries: int = 2
-    #: Tokens per streamed engine message (SGLang `stream_interval`); None leaves the engine's default.
+    #: Tokens per streamed engine message (SGLang `stream_interval`); None leaves the engine's default,
+    #: 0 adapts it to the worker's load (`pipeline.dispatch.adaptive_stream_interval`).
     stream_interval: int | None = None
     retry_backoff: float = 0.05
     health_interval: float = 5.0
