@@ -139,6 +139,8 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
     out = []
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise InvalidRequest("tools need a string 'type'", param=f"{param}[{i}].type")
         if (kind == "namespace" or kind in GATEWAY_TOOL_TYPES) and param == "tools":
             continue  # namespaces: client_namespaces(); gateway-executed tools: mcp/tool_loop.py
         if kind != "function":
@@ -173,7 +175,7 @@ def redacted_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 def function_tool_choice(tool_choice: Any, has_gateway_tools: bool) -> Any:
     """The part of tool_choice that applies to function tools: a hosted-tool choice (`{"type": "mcp"}`,
     `{"type": "web_search_preview"}`) leaves functions on auto, as does `required` with gateway tools."""
-    if isinstance(tool_choice, dict) and tool_choice.get("type") in GATEWAY_TOOL_TYPES:
+    if isinstance(tool_choice, dict) and str(tool_choice.get("type")) in GATEWAY_TOOL_TYPES:
         return None
     if tool_choice == "required" and has_gateway_tools:
         return None
@@ -358,7 +360,8 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             max_reasoning_tokens=req.reasoning.max_tokens if req.reasoning else None,
             original_text="[harmony]",
         )
-        response_id = "resp_" + ctx.request_id if ctx.request_id.isalnum() else new_id("resp")
+        # Never derived from x-request-id: a client may reuse one, and a stored response must not be overwritten.
+        response_id = new_id("resp")
         if ctx.routing_key is None:
             ctx.routing_key = conversation_id or req.previous_response_id or req.user
         envelope = _envelope(req, response_id, int(time.time()), group.name, effort)

@@ -48,6 +48,8 @@ def _parts(content: Any, role: str, param: str) -> list[dict[str, Any]]:
         if not isinstance(part, dict):
             raise InvalidRequest("content parts must be objects", param=f"{param}[{j}]")
         kind = part.get("type")
+        if not isinstance(kind, str):
+            raise InvalidRequest("content parts need a string 'type'", param=f"{param}[{j}].type")
         if kind in ("input_image", "input_file", "input_audio", "image_url", "computer_screenshot"):
             raise InvalidRequest(
                 f"content part type {kind!r} is not supported: this model accepts text only",
@@ -83,11 +85,11 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
         kind = item.get("type")
         if kind is None and "role" in item:
             kind = item["type"] = "message"
-        if kind not in ITEM_PREFIXES:
+        if not isinstance(kind, str) or kind not in ITEM_PREFIXES:
             raise InvalidRequest(f"Unknown input item type {kind!r}", param=f"{where}.type")
         if kind == "message":
             role = item.get("role")
-            if role not in MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in MESSAGE_ROLES:
                 raise InvalidRequest(f"invalid message role {role!r}", param=f"{where}.role")
             item["content"] = _parts(item.get("content", ""), role, f"{where}.content")
             item.setdefault("status", "completed")
@@ -123,6 +125,8 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 )
         elif kind == "item_reference" and not isinstance(item.get("id"), str):
             raise InvalidRequest("item_reference items need an 'id'", param=f"{where}.id")
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise InvalidRequest("item ids must be strings", param=f"{where}.id")
         if kind != "item_reference" and not item.get("id"):
             item["id"] = new_id(ITEM_PREFIXES[kind])
         items.append(item)
