@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
+from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router
 from .api.workers import router as workers_router
@@ -154,7 +155,11 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             await gw.fleet.close()
             await gw.store.close()
 
-    app = FastAPI(title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    # No trailing-slash redirects: `DELETE /v1/responses/` is a 404 error body, not a 307 to another route.
+    app = FastAPI(
+        title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
+    )
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)

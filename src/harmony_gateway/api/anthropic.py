@@ -32,7 +32,7 @@ router = APIRouter()
 
 def _ids(ctx: RequestContext | None, request: Request) -> dict[str, str]:
     request_id = (
-        ctx.request_id if ctx is not None else request.headers.get("x-request-id") or new_request_id()
+        ctx.request_id if ctx is not None else getattr(request.state, "request_id", None) or new_request_id()
     )
     return {"request-id": request_id, "x-request-id": request_id}
 

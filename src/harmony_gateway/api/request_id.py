@@ -1,0 +1,34 @@
+"""Gives every request an id before any handler runs and puts it on every response as `x-request-id`.
+
+The id is the client's `x-request-id` when it sent one, else a fresh one; handlers read it from
+`request.state.request_id` (so the engine, the log and the response agree). A response that already
+names an id keeps it.
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..pipeline.context import new_request_id
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if "x-request-id" not in headers:
+                    headers.append("x-request-id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
