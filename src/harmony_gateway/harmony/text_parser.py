@@ -280,6 +280,35 @@ class _Emitter:
             out.append(ToolCallArgumentsDelta(index, text))
 
 
+class _RunParser(_Emitter):
+    """A parser whose `_run(chunk, final)` does the work; `feed` and `finish` add the end-of-output
+    bookkeeping (text after `finish` is counted and ignored, `finish` ends with `Terminated`)."""
+
+    _finished: bool
+
+    def feed(self, chunk: str) -> list[TextEvent]:
+        if self._finished:
+            self.stats.trailing_ignored_chars += len(chunk)
+            return []
+        if not chunk:
+            return []
+        self._out = []
+        self._run(chunk, final=False)
+        return self._out
+
+    def finish(self) -> list[TextEvent]:
+        if self._finished:
+            return []
+        self._out = []
+        self._run("", final=True)
+        self._finished = True
+        self._out.append(Terminated("eos"))
+        return self._out
+
+    def _run(self, chunk: str, final: bool) -> None:
+        raise NotImplementedError
+
+
 class PassThroughParser(_Emitter):
     """Everything is content; nothing is held back."""
 
@@ -303,7 +332,7 @@ class PassThroughParser(_Emitter):
         return [Terminated("eos")]
 
 
-class MarkerParser(_Emitter):
+class MarkerParser(_RunParser):
     """Text before the first `marker` is reasoning, text after it is content.
 
     Reasoning streams as it arrives, minus a suffix that could be the start of the marker. If the
@@ -319,25 +348,6 @@ class MarkerParser(_Emitter):
         self._after = False
         self._finished = False
         self._out = []
-
-    def feed(self, chunk: str) -> list[TextEvent]:
-        if self._finished:
-            self.stats.trailing_ignored_chars += len(chunk)
-            return []
-        if not chunk:
-            return []
-        self._out = []
-        self._run(chunk, final=False)
-        return self._out
-
-    def finish(self) -> list[TextEvent]:
-        if self._finished:
-            return []
-        self._out = []
-        self._run("", final=True)
-        self._finished = True
-        self._out.append(Terminated("eos"))
-        return self._out
 
     def _run(self, chunk: str, final: bool) -> None:
         if self._after:
@@ -357,7 +367,7 @@ class MarkerParser(_Emitter):
         self._buf = buf[len(buf) - hold :]
 
 
-class ThinkTagParser(_Emitter):
+class ThinkTagParser(_RunParser):
     """Text inside `<think>...</think>` is reasoning, text outside is content.
 
     With `think_implicit_start=True` (DeepSeek-R1-style chat templates put `<think>` in the prompt) the
@@ -386,25 +396,6 @@ class ThinkTagParser(_Emitter):
         self._buf = ""
         self._finished = False
         self._out = []
-
-    def feed(self, chunk: str) -> list[TextEvent]:
-        if self._finished:
-            self.stats.trailing_ignored_chars += len(chunk)
-            return []
-        if not chunk:
-            return []
-        self._out = []
-        self._run(chunk, final=False)
-        return self._out
-
-    def finish(self) -> list[TextEvent]:
-        if self._finished:
-            return []
-        self._out = []
-        self._run("", final=True)
-        self._finished = True
-        self._out.append(Terminated("eos"))
-        return self._out
 
     def _run(self, chunk: str, final: bool) -> None:
         buf = self._buf + chunk if self._buf else chunk
