@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -243,3 +244,93 @@ async def test_worker_url_forms() -> None:
         await client.close()
     with pytest.raises(InvalidRequest):
         HttpUpstreamClient("http://h:2?api=grpc")
+
+
+# -- routes other than chat -------------------------------------------------------------------------------
+@pytest.fixture
+async def raw_http(http_gateway: RunningGateway) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=http_gateway.url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize("model", [HARMONY, PLAIN])
+async def test_generate_and_responses_are_clear_400s(
+    raw_http: httpx.AsyncClient, upstream: FakeUpstream, model: str
+) -> None:
+    sent = len(upstream.requests)
+    for path, body in (
+        ("/generate", {"model": model, "text": "hello"}),
+        ("/v1/responses", {"model": model, "input": "hello"}),
+    ):
+        r = await raw_http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "model"
+        if model == HARMONY:  # the Responses route names what other models lack first
+            assert model in error["message"] and "HTTP upstream" in error["message"]
+    assert len(upstream.requests) == sent  # refused before dispatch
+
+
+@STREAM
+async def test_completions_pass_through_to_the_upstream(
+    http_client: openai.AsyncOpenAI, upstream: FakeUpstream, stream: bool
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": PLAIN,
+        "prompt": "Say it [[plain]]",
+        "max_tokens": 50,
+        "temperature": 0.3,
+    }
+    if stream:
+        chunks = [c async for c in await http_client.completions.create(stream=True, **kwargs)]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = await http_client.completions.create(**kwargs)
+        text, finish = r.choices[0].text, r.choices[0].finish_reason
+        assert r.usage.completion_tokens == 20
+    assert text == "Just plain text with no markers at all."
+    assert finish == "stop"
+    api, body = upstream.requests[-1]
+    assert api == "completions"
+    assert body["model"] == PLAIN and body["prompt"] == "Say it [[plain]]"
+    assert body["max_tokens"] == 50 and body["temperature"] == 0.3
+    # A Harmony model's raw prompt is sent as is, with the raw-text extensions.
+    r = await http_client.completions.create(model=HARMONY, prompt="<|start|>user<|message|>hi", max_tokens=9)
+    assert r.choices[0].text == (
+        "<|channel|>analysis<|message|>Let me think.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The answer is 4.<|return|>"
+    )
+    body = upstream.requests[-1][1]
+    assert body["prompt"] == "<|start|>user<|message|>hi" and body["skip_special_tokens"] is False
+    with pytest.raises(openai.BadRequestError) as info:
+        await http_client.completions.create(model=PLAIN, prompt="x", logprobs=1)
+    assert info.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+@STREAM
+@pytest.mark.parametrize("model", [HARMONY, PLAIN])
+async def test_messages_through_the_upstream(
+    http_gateway: RunningGateway, upstream: FakeUpstream, stream: bool, model: str
+) -> None:
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": "[[think]]" if model == PLAIN else "What is 2+2?"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    async with anthropic.AsyncAnthropic(base_url=http_gateway.url, api_key="t", max_retries=0) as client:
+        if stream:
+            async with client.messages.stream(**kwargs) as s:
+                message = await s.get_final_message()
+        else:
+            message = await client.messages.create(**kwargs)
+    expected = (
+        ("Hmm, a greeting.", "Plain answer.") if model == PLAIN else ("Let me think.", "The answer is 4.")
+    )
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert (message.content[0].thinking, message.content[1].text) == expected
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 20
+    api, body = upstream.requests[-1]
+    assert api == ("chat" if model == PLAIN else "completions")

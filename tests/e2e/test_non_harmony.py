@@ -9,8 +9,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
+import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.support.servers import RunningGateway, running_gateway, test_settings
@@ -251,3 +254,165 @@ async def test_tokenizer_from_the_engine(qwen_sim: RunningSim) -> None:
             )
         assert r.choices[0].message.content == "Hello! 你好 🌍 This is the answer."
         assert gw.state.tokenizers[MODEL].source == qwen_sim.url
+
+
+# -- /generate and /v1/completions: the model's own tokenizer, not the o200k vocabulary -----------------
+@pytest.fixture
+async def raw_http(qwen_gateway: RunningGateway) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=qwen_gateway.url, timeout=30) as c:
+        yield c
+
+
+def _sse_items(text: str) -> list[Any]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_generate_text_prompt_uses_the_model_tokenizer(
+    raw_http: httpx.AsyncClient, qwen_sim: RunningSim, tokenizer_dir: Path
+) -> None:
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    prompt = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    r = await raw_http.post("/generate", json={"text": prompt})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert qwen_sim.requests[-1].input_ids == tok.encode(prompt).ids
+    assert body["text"] == GREETING  # the end-of-turn token is skipped by default, as SGLang does
+    assert body["output_ids"] == [*tok.encode(GREETING).ids, eos_id(tokenizer_dir)]
+    assert body["meta_info"]["finish_reason"]["type"] == "stop"
+    raw = await raw_http.post(
+        "/generate",
+        json={"input_ids": tok.encode(prompt).ids, "sampling_params": {"skip_special_tokens": False}},
+    )
+    assert raw.json()["text"] == GREETING + "<|im_end|>"
+
+
+async def test_generate_stream_never_splits_utf8(raw_http: httpx.AsyncClient) -> None:
+    r = await raw_http.post("/generate", json={"text": "Hi there", "stream": True})
+    items = _sse_items(r.text)
+    assert len(items) > 5
+    assert all("\ufffd" not in item["text"] for item in items)
+    for earlier, later in zip(items, items[1:], strict=False):
+        assert later["text"].startswith(earlier["text"])
+    assert items[-1]["text"] == GREETING
+
+
+async def test_completions_text_prompt_echo_and_stream(qwen: openai.AsyncOpenAI, tokenizer_dir: Path) -> None:
+    r = await qwen.completions.create(model=MODEL, prompt="Hi there", max_tokens=200, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == "Hi there" + GREETING
+    assert choice.finish_reason == "stop"
+    prompt_ids = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode("Hi there").ids
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + r.usage.completion_tokens
+    assert lp.token_logprobs[: len(prompt_ids)] == [None] * len(prompt_ids)
+    assert "".join(lp.tokens[: len(prompt_ids)]) == "Hi there"
+    stream = await qwen.completions.create(model=MODEL, prompt="Hi there", max_tokens=200, stream=True)
+    pieces = [c.choices[0].text async for c in stream if c.choices]
+    assert "".join(pieces) == GREETING
+    assert len(pieces) > 5 and all("\ufffd" not in p for p in pieces)
+
+
+# -- Anthropic Messages: the chat-template path and TextChoiceOutput ----------------------------------
+@pytest.fixture
+async def claude(qwen_gateway: RunningGateway) -> AsyncIterator[anthropic.AsyncAnthropic]:
+    async with anthropic.AsyncAnthropic(
+        base_url=qwen_gateway.url, api_key="t", max_retries=0, timeout=30
+    ) as c:
+        yield c
+
+
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],  # type: ignore[index]
+}
+THINKING = {"type": "enabled", "budget_tokens": 2048}
+
+
+async def test_messages_thinking_and_text(claude: anthropic.AsyncAnthropic, qwen_sim: RunningSim) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 500,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "thinking": THINKING,
+    }
+    message = await claude.messages.create(**kwargs)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == "The user greets me. I answer."
+    assert message.content[0].signature
+    assert message.content[1].text == "Hello! 你好 🌍 This is the answer."
+    assert message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == len(qwen_sim.requests[-1].input_ids)
+    assert message.usage.output_tokens > 0
+    async with claude.messages.stream(**kwargs) as stream:
+        streamed = await stream.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in message.content]
+    assert streamed.stop_reason == "end_turn"
+    # Without thinking, only the answer is shown.
+    plain = await claude.messages.create(**{**kwargs, "thinking": {"type": "disabled"}})
+    assert [b.type for b in plain.content] == ["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_messages_tool_use_round_trip(
+    claude: anthropic.AsyncAnthropic, qwen_gateway: RunningGateway, qwen_sim: RunningSim, stream: bool
+) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris? [[tool]]"}]
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 500,
+        "tools": [ANTHROPIC_WEATHER],
+        "thinking": THINKING,
+    }
+    if stream:
+        async with claude.messages.stream(messages=messages, **kwargs) as s:
+            first = await s.get_final_message()
+    else:
+        first = await claude.messages.create(messages=messages, **kwargs)
+    assert [b.type for b in first.content] == ["thinking", "tool_use"]
+    call = first.content[1]
+    assert call.name == "get_weather" and call.input == {"city": "Paris"}
+    assert call.id.startswith("toolu_")
+    assert first.stop_reason == "tool_use"
+    messages.append({"role": "assistant", "content": [b.model_dump() for b in first.content]})
+    messages.append(
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 24 C"}],
+        }
+    )
+    second = await claude.messages.create(messages=messages, **kwargs)
+    assert second.content[-1].text == "It is sunny in Paris."
+    tok = qwen_gateway.state.tokenizers[MODEL]
+    prompt = tok.tokenizer.decode(qwen_sim.requests[-1].input_ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 24 C\n</tool_response>" in prompt
+    assert '"name": "get_weather"' in prompt.split("<|im_end|>")[0]  # the tool was rendered
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_messages_stop_sequence_and_max_tokens(claude: anthropic.AsyncAnthropic, stream: bool) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 500,
+        "messages": [{"role": "user", "content": "[[count]]"}],
+        "stop_sequences": ["Counting", "three"],
+    }
+    if stream:
+        async with claude.messages.stream(**kwargs) as s:
+            message = await s.get_final_message()
+    else:
+        message = await claude.messages.create(**kwargs)
+    assert message.content[-1].text == "one two "
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "three")
+    short = await claude.messages.create(**{**kwargs, "stop_sequences": None, "max_tokens": 3})
+    assert short.stop_reason == "max_tokens"
+
+
+async def test_messages_count_tokens(claude: anthropic.AsyncAnthropic, qwen_sim: RunningSim) -> None:
+    messages: list[Any] = [{"role": "user", "content": "Hi there"}]
+    counted = await claude.messages.count_tokens(model=MODEL, messages=messages)
+    await claude.messages.create(model=MODEL, max_tokens=50, messages=messages)
+    assert counted.input_tokens == len(qwen_sim.requests[-1].input_ids)

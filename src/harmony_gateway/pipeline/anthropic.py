@@ -1,5 +1,14 @@
-"""Anthropic Messages API for Harmony models: a Messages request becomes the same Harmony conversation as a
-chat request, and the chat-level deltas of `ChoiceOutput` become Anthropic content blocks and stream events.
+"""Anthropic Messages API: a Messages request becomes the same conversation as a chat request, and the
+chat-level deltas of `ChoiceOutput` (Harmony) or `TextChoiceOutput` (other models, HTTP upstreams) become
+Anthropic content blocks and stream events.
+
+Other models take the chat-template path (`messages_as_chat` → `chat_template.prepare_chat_template`):
+`system` → a system message, `thinking` blocks → `reasoning_content`, `tool_use` → `tool_calls` (arguments
+the JSON of `input`), `tool_result` → a `tool` message; the configured reasoning / tool-call parsers give
+`thinking` and `tool_use` blocks back. `thinking.budget_tokens` only chooses whether thinking blocks are
+shown (no budget is enforced for these models). Models served by an HTTP upstream go the chat path to the
+upstream: Harmony ones as a rendered prompt parsed by the text-level parser (any thinking budget is not
+enforced: it needs a gRPC engine), other ones as a forwarded chat request.
 
 Request mapping (REFERENCE §2, with Anthropic's names):
 
@@ -42,6 +51,7 @@ from typing import Any
 import orjson
 
 from ..api.schemas.anthropic import CountTokensRequest, MessagesRequest
+from ..api.schemas.chat import ChatCompletionRequest
 from ..api.sse import event_frame
 from ..engines.base import EngineChunk
 from ..errors import GatewayError, InvalidRequest, ModelNotFound
@@ -74,6 +84,8 @@ from .prepare import (
 )
 from .reasoning_budget import budget_exceeded
 from .run import _chain, _open_stream
+from .text_output import TextChoiceOutput, text_parser_stats
+from .text_upstream import attach_harmony_upstream, is_text_group
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +320,114 @@ def stop_sequences(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values)
 
 
+def _chat_user(content: str | list[dict[str, Any]], out: list[dict[str, Any]], *, param: str) -> None:
+    if isinstance(content, str):
+        out.append({"role": "user", "content": content})
+        return
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": _join(texts)})
+                texts = []
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(
+                    "tool_result blocks need a tool_use_id", param=f"{param}[{j}].tool_use_id"
+                )
+            text = _tool_result_text(block.get("content"), param=f"{param}[{j}].content")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind in ("image", "document"):
+            raise InvalidRequest(
+                f"content block type {kind!r} is not supported: this model accepts text only",
+                param=f"{param}[{j}]",
+            )
+        else:
+            raise InvalidRequest(f"unsupported user content block type {kind!r}", param=f"{param}[{j}]")
+    if texts:
+        out.append({"role": "user", "content": _join(texts)})
+
+
+def _chat_assistant(content: str | list[dict[str, Any]], *, param: str) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    thinking: list[str] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "thinking":
+            if block.get("thinking"):
+                thinking.append(str(block["thinking"]))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "text" and isinstance(block.get("text"), str):
+            if block["text"]:
+                texts.append(block["text"])
+        elif kind == "tool_use":
+            name = block.get("name")
+            if not isinstance(name, str) or not name:
+                raise InvalidRequest("tool_use blocks need a name", param=f"{param}[{j}].name")
+            call_id = block.get("id") if isinstance(block.get("id"), str) else tp.new_call_id()
+            arguments = _arguments_json(block.get("input"))
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            )
+        else:
+            raise InvalidRequest(f"unsupported assistant content block type {kind!r}", param=f"{param}[{j}]")
+    message: dict[str, Any] = {"role": "assistant", "content": _join(texts)}
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def messages_as_chat(request: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request a Messages request stands for (module docstring); raises InvalidRequest naming
+    the Messages field."""
+    messages: list[dict[str, Any]] = []
+    system = _text_blocks(request.system, param="system")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, message in enumerate(request.messages):
+        param = f"messages[{i}].content"
+        if message.role == "system":
+            text = _text_blocks(message.content, param=param)
+            if text:
+                messages.append({"role": "system", "content": text})
+        elif message.role == "user":
+            _chat_user(message.content, messages, param=param)
+        else:
+            messages.append(_chat_assistant(message.content, param=param))
+    body: dict[str, Any] = {"model": request.model, "messages": messages}
+    tools = anthropic_tools(request)  # tool_choice already applied: the chosen tools are rendered
+    if tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters or {"type": "object", "properties": {}},
+                },
+            }
+            for t in tools
+        ]
+    if isinstance(request, MessagesRequest):
+        body["max_tokens"] = request.max_tokens
+        body["stream"] = request.stream
+        for key in ("temperature", "top_p", "top_k"):
+            if getattr(request, key) is not None:
+                body[key] = getattr(request, key)
+        if request.stop_sequences:
+            body["stop"] = list(stop_sequences(request.stop_sequences))
+    return ChatCompletionRequest.model_validate(body)
+
+
 @dataclass(slots=True)
 class MessagesPlan:
     prepared: PreparedRequest
@@ -318,11 +438,13 @@ async def prepare_messages(
     state: GatewayState, request: CountTokensRequest, group: ModelGroup
 ) -> MessagesPlan:
     """Validate and render a Messages (or count_tokens) request; raises InvalidRequest naming the field."""
-    if not group.harmony:
-        raise InvalidRequest(
-            f"the Messages API serves Harmony models; {group.name!r} is not one", param="model"
-        )
     effort, show_thinking, budget = thinking_options(request)
+    if not group.harmony:
+        from .chat_template import prepare_chat_template
+
+        return MessagesPlan(
+            await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
+        )
     tools = anthropic_tools(request)
     instructions, history = anthropic_history(request)
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
@@ -354,6 +476,11 @@ async def prepare_messages(
         history=history,
         original_text="[harmony]",
     )
+    if full is not None and is_text_group(group):
+        # An HTTP upstream: Harmony as text, read back by the text-level parser. A thinking budget
+        # needs a gRPC engine; Claude Code always sends one, so it is dropped rather than refused.
+        prepared.max_reasoning_tokens = None
+        attach_harmony_upstream(state, prepared, messages_as_chat(full))
     return MessagesPlan(prepared, show_thinking)
 
 
@@ -499,9 +626,12 @@ class MessageBlocks:
         self._parts = []
 
 
-def matched_stop_sequence(choice: ChoiceOutput, stops: tuple[str, ...]) -> str | None:
+def matched_stop_sequence(choice: ChoiceOutput | TextChoiceOutput, stops: tuple[str, ...]) -> str | None:
     """The client stop sequence that ended the answer: the earliest in the answer text."""
-    text = "".join(m.text for m in choice.parser.messages if m.kind in (tp.ANSWER, tp.PREAMBLE))
+    if isinstance(choice, TextChoiceOutput):
+        text = "".join(choice.answer_seen)
+    else:
+        text = "".join(m.text for m in choice.parser.messages if m.kind in (tp.ANSWER, tp.PREAMBLE))
     best: tuple[int, str] | None = None
     for stop in stops:
         at = text.find(stop)
@@ -510,7 +640,7 @@ def matched_stop_sequence(choice: ChoiceOutput, stops: tuple[str, ...]) -> str |
     return best[1] if best else None
 
 
-def stop_reason(choice: ChoiceOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
+def stop_reason(choice: ChoiceOutput | TextChoiceOutput, stops: tuple[str, ...]) -> tuple[str, str | None]:
     if choice.stop_hit:
         return "stop_sequence", matched_stop_sequence(choice, stops)
     if choice.engine_finish == "length":
@@ -520,7 +650,9 @@ def stop_reason(choice: ChoiceOutput, stops: tuple[str, ...]) -> tuple[str, str 
     return "end_turn", None
 
 
-def anthropic_usage(choice: ChoiceOutput, prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]:
+def anthropic_usage(
+    choice: ChoiceOutput | TextChoiceOutput, prepared: PreparedRequest, ctx: RequestContext
+) -> dict[str, Any]:
     """`input_tokens` excludes cache reads, as Anthropic counts: total input = input + cache read + creation."""
     prompt = choice.prompt_tokens or len(prepared.input_ids)
     cached = min(choice.cached_tokens, prompt)
@@ -539,6 +671,12 @@ def anthropic_usage(choice: ChoiceOutput, prepared: PreparedRequest, ctx: Reques
 # -- running a request -----------------------------------------------------------------------------
 async def count_message_tokens(state: GatewayState, request: CountTokensRequest) -> dict[str, int]:
     group = resolve_group(state, request.model)
+    if not group.harmony and is_text_group(group):
+        raise InvalidRequest(
+            f"POST /v1/messages/count_tokens is not available for model {group.name!r}: it is served by an "
+            "HTTP upstream, whose chat template the gateway does not render",
+            param="model",
+        )
     plan = await prepare_messages(state, request, group)
     return {"input_tokens": len(plan.prepared.input_ids)}
 
@@ -552,9 +690,14 @@ async def run_messages(
     plan = await prepare_messages(state, request, group)
     prepared = plan.prepared
     ctx.prompt_tokens = len(prepared.input_ids)
-    choice = ChoiceOutput(state, prepared, 0)
+    choice: ChoiceOutput | TextChoiceOutput
+    if prepared.output_adapter is not None:  # other models, HTTP upstreams: text output
+        choice = TextChoiceOutput(state, prepared, 0)
+        ctx.text_stats = text_parser_stats([choice])
+    else:
+        choice = ChoiceOutput(state, prepared, 0)
+        ctx.parsers = [choice.parser]
     choice.include_reasoning = plan.show_thinking
-    ctx.parsers = [choice.parser]
     # Streaming from the engine lets the gateway stop early on a client stop sequence.
     engine_stream = request.stream or bool(prepared.stop_strings)
     chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
@@ -589,7 +732,7 @@ async def _stream_message(
     model: str,
     prepared: PreparedRequest,
     ctx: RequestContext,
-    choice: ChoiceOutput,
+    choice: ChoiceOutput | TextChoiceOutput,
     chunks: AsyncIterator[EngineChunk],
     first: EngineChunk | None,
 ) -> AsyncIterator[bytes]:
@@ -684,6 +827,7 @@ __all__ = [
     "anthropic_history",
     "count_message_tokens",
     "effort_for_budget",
+    "messages_as_chat",
     "prepare_messages",
     "resolve_group",
     "run_messages",

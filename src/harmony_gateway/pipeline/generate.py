@@ -6,7 +6,14 @@ assistant stop ids {200002 `<|return|>`, 200012 `<|call|>`} are added to the req
 Output text is the decoded output ids *including* special tokens (`<|channel|>analysis<|message|>...`) and a
 stop token the engine returned, so text and `output_ids` describe the same sequence; `skip_special_tokens`
 drops special tokens from the text. Client `stop` strings go to the engine as they are (they match all
-output, as these routes have no notion of answer text). Models that are not Harmony accept token ids only.
+output, as these routes have no notion of answer text).
+
+Other models use their own tokenizer (`pipeline/tokenizer.py`): a text prompt is encoded with it (special
+tokens added as its post-processor says, as SGLang and vLLM do), token ids pass through, and output is
+detokenized incrementally (`IncrementalDetokenizer`: no delta ever carries half a UTF-8 character);
+`skip_special_tokens` defaults to true for them, as in SGLang. Models served by an HTTP upstream have no
+token-level interface: `/generate` is a 400 naming the model, and `/v1/completions` is forwarded to the
+upstream's `/v1/completions` one prompt at a time (the upstream's text passes through; no logprobs).
 
 Each prompt (and batch entry) is one engine request with `n` samples, dispatched with the chat stages
 (`_open_stream`, so failures before any output are HTTP errors), under its own request id
@@ -43,8 +50,11 @@ from ..errors import GatewayError, InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
+from .detokenize import IncrementalDetokenizer
 from .prepare import SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
 from .run import _chain, _open_stream
+from .text_upstream import is_text_group, require_token_engine
+from .tokenizer import ModelTokenizer, model_tokenizer
 
 _dumps = orjson.dumps
 _END = object()
@@ -87,6 +97,44 @@ class TokenTextDecoder:
         return self._bytes_of(token).decode("utf-8", "replace")
 
 
+class ModelTextDecoder:
+    """Text of a non-Harmony model's token ids with the model's own tokenizer, incrementally; the same
+    interface as `TokenTextDecoder`."""
+
+    __slots__ = ("_detok", "_tok")
+
+    def __init__(self, tok: ModelTokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tok = tok
+        self._detok = IncrementalDetokenizer(tok.tokenizer, skip_special_tokens=skip_special_tokens)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        return self._detok.push(token_ids)
+
+    def flush(self) -> str:
+        return self._detok.flush()
+
+    def token_text(self, token: int) -> str:
+        return self._tok.token_text(token)
+
+
+Decoder = TokenTextDecoder | ModelTextDecoder
+
+
+def decoder_factory(
+    state: GatewayState, tok: ModelTokenizer | None, skip_special_tokens: bool | None
+) -> Callable[[], Decoder]:
+    """New decoders for one request: the model's tokenizer when given, else the Harmony vocabulary.
+    `skip_special_tokens` unset: false for Harmony text, true for other models."""
+    if tok is not None:
+        skip = True if skip_special_tokens is None else skip_special_tokens
+        return functools.partial(ModelTextDecoder, tok, skip_special_tokens=skip)
+    return functools.partial(TokenTextDecoder, state, skip_special_tokens=bool(skip_special_tokens))
+
+
+def decode_all(decoder: Decoder, token_ids: Sequence[int]) -> str:
+    return decoder.push(token_ids) + decoder.flush()
+
+
 @functools.cache
 def _token_bytes() -> Callable[[int], bytes]:
     import quicktok
@@ -123,8 +171,19 @@ def _one_group(state: GatewayState, model: str | None) -> ModelGroup:
     raise InvalidRequest("several models are served: name one in 'model'", param="model")
 
 
+async def raw_tokenizer(state: GatewayState, group: ModelGroup) -> ModelTokenizer | None:
+    """The tokenizer raw routes use: None for Harmony models (the o200k vocabulary), the model's own
+    otherwise (raises UpstreamError when none can be loaded)."""
+    return None if group.harmony else await model_tokenizer(state, group)
+
+
 def encode_prompt(
-    state: GatewayState, group: ModelGroup, prompt: str | list[int], *, param: str
+    state: GatewayState,
+    group: ModelGroup,
+    prompt: str | list[int],
+    *,
+    param: str,
+    tok: ModelTokenizer | None = None,
 ) -> list[int]:
     if not isinstance(prompt, str):
         if not prompt:
@@ -132,12 +191,15 @@ def encode_prompt(
         if any(t < 0 for t in prompt):
             raise InvalidRequest("token ids must be non-negative", param=param)
         return prompt
-    if not group.harmony:
-        raise InvalidRequest(
-            f"text prompts need the model's tokenizer; send token ids for {group.name!r}", param=param
-        )
     if not prompt:
         raise InvalidRequest("the prompt must not be empty", param=param)
+    if not group.harmony:
+        if tok is None:
+            raise InvalidRequest(
+                f"text prompts need the model's tokenizer; send token ids for {group.name!r}", param=param
+            )
+        ids: list[int] = tok.tokenizer.encode(prompt, add_special_tokens=True).ids
+        return ids
     return list(state.encoding.encode(prompt, allowed_special="all"))
 
 
@@ -182,7 +244,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 
 # -- one sample's output ----------------------------------------------------------------------------------
 class RawSample:
-    """The output of one sample: ids, text, logprobs, finish and counts. Fed with engine chunks in order."""
+    """The output of one sample: ids, text, logprobs, finish and counts. Fed with engine chunks in order:
+    token ids (decoded with `decoder`) or, from an HTTP upstream, text as it is."""
 
     __slots__ = (
         "cached_tokens",
@@ -197,7 +260,7 @@ class RawSample:
         "text_parts",
     )
 
-    def __init__(self, decoder: TokenTextDecoder) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
         self.ids: list[int] = []
         self.text_parts: list[str] = []
@@ -220,7 +283,10 @@ class RawSample:
             self.completion_tokens = chunk.completion_tokens
         if chunk.cached_tokens:
             self.cached_tokens = chunk.cached_tokens
-        text = self.decoder.push(chunk.token_ids) if chunk.token_ids else ""
+        if chunk.text is not None:
+            text = chunk.text
+        else:
+            text = self.decoder.push(chunk.token_ids) if chunk.token_ids else ""
         if chunk.finished:
             self.finished = True
             self.finish_reason = chunk.finish_reason or "stop"
@@ -397,16 +463,18 @@ async def run_generate(
 ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[bytes]:
     group = _one_group(state, request.model)
     ctx.model = group.name
+    require_token_engine(group, "POST /generate", "use /v1/completions or /v1/chat/completions")
     prompts, batched = _generate_prompts(request)
     if not prompts:
         raise InvalidRequest(
             "the batch is empty", param="input_ids" if request.input_ids is not None else "text"
         )
     params = request.sampling_params
+    tok = await raw_tokenizer(state, group)
     prepared = []
     for i, prompt in enumerate(prompts):
         param = ("input_ids" if request.input_ids is not None else "text") + (f"[{i}]" if batched else "")
-        ids = encode_prompt(state, group, prompt, param=param)
+        ids = encode_prompt(state, group, prompt, param=param, tok=tok)
         prepared.append(
             raw_prepared(
                 state,
@@ -422,10 +490,8 @@ async def run_generate(
             )
         )
     n = params.n
-    samples = [
-        [RawSample(TokenTextDecoder(state, skip_special_tokens=params.skip_special_tokens)) for _ in range(n)]
-        for _ in prompts
-    ]
+    new_decoder = decoder_factory(state, tok, params.skip_special_tokens)
+    samples = [[RawSample(new_decoder()) for _ in range(n)] for _ in prompts]
     opened = await _open_all(state, ctx, prepared, stream=request.stream)
     several = batched or n > 1
     if not request.stream:
@@ -489,7 +555,7 @@ class _LogprobBuilder:
 
     __slots__ = ("decoder", "offset", "out")
 
-    def __init__(self, decoder: TokenTextDecoder) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self.decoder = decoder
         self.offset = 0
         self.out = _logprob_lists()
@@ -517,6 +583,25 @@ class _LogprobBuilder:
         self.offset += len(text)
 
 
+def completions_passthrough_body(
+    request: CompletionRequest, prompt: str | list[int], prepared: PreparedRequest
+) -> dict[str, Any]:
+    """The `/v1/completions` body for an HTTP upstream: the client's fields (gateway-only ones removed),
+    one prompt, the token budget, and for Harmony models the raw-text extensions and assistant stop ids."""
+    body = request.model_dump(mode="json", exclude_unset=True, exclude_none=True)
+    for key in ("model", "stream", "stream_options", "prompt"):
+        body.pop(key, None)
+    body["prompt"] = prompt
+    sampling = prepared.sampling
+    if sampling.max_new_tokens is not None:
+        body["max_tokens"] = sampling.max_new_tokens
+    if prepared.harmony:
+        body.setdefault("skip_special_tokens", False)
+        body["spaces_between_special_tokens"] = False
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    return body
+
+
 def _completion_finish(sample: RawSample) -> str:
     return "length" if sample.finish_reason == "length" else "stop"
 
@@ -533,41 +618,46 @@ async def run_completions(
     prompts = _completion_prompts(request.prompt)
     n = request.n
     logprobs = request.logprobs
+    passthrough = is_text_group(group)
+    if passthrough and logprobs is not None:
+        raise InvalidRequest(
+            f"logprobs are not available for {group.name!r}: it is served by an HTTP upstream",
+            param="logprobs",
+        )
+    tok = None if passthrough else await raw_tokenizer(state, group)
     prepared, prompt_ids = [], []
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        ids = encode_prompt(state, group, prompt, param=param)
+        if passthrough:
+            ids = [] if isinstance(prompt, str) else list(prompt)  # the upstream tokenizes
+        else:
+            ids = encode_prompt(state, group, prompt, param=param, tok=tok)
         prompt_ids.append(ids)
         sampling = request_sampling(group, request)
         sampling.stop = _stops(request.stop)
         sampling.stop_token_ids = list(request.stop_token_ids or ())
         sampling.ignore_eos = request.ignore_eos
-        prepared.append(
-            raw_prepared(
-                state,
-                group,
-                ids,
-                sampling,
-                requested_tokens=request.max_tokens,
-                stream=request.stream,
-                return_logprob=logprobs is not None,
-                top_logprobs=logprobs or 0,
-                original_text=prompt if isinstance(prompt, str) else "",
-                param=param,
-            )
+        item = raw_prepared(
+            state,
+            group,
+            ids,
+            sampling,
+            requested_tokens=request.max_tokens,
+            stream=request.stream,
+            return_logprob=logprobs is not None,
+            top_logprobs=logprobs or 0,
+            original_text=prompt if isinstance(prompt, str) else "",
+            param=param,
         )
-    skip = request.skip_special_tokens
-    samples = [
-        [RawSample(TokenTextDecoder(state, skip_special_tokens=skip)) for _ in range(n)] for _ in prompts
-    ]
-    echoes = [
-        TokenTextDecoder(state, skip_special_tokens=skip).push(ids) if request.echo else ""
-        for ids in prompt_ids
-    ]
-    builders = [
-        [_LogprobBuilder(TokenTextDecoder(state, skip_special_tokens=skip)) for _ in range(n)]
-        for _ in prompts
-    ]
+        if passthrough:
+            item.upstream_body = {"completions": completions_passthrough_body(request, prompt, item)}
+        prepared.append(item)
+    new_decoder = decoder_factory(state, tok, request.skip_special_tokens)
+    samples = [[RawSample(new_decoder()) for _ in range(n)] for _ in prompts]
+    # An upstream echoes the prompt itself (`echo` is forwarded).
+    echo = request.echo and not passthrough
+    echoes = [decode_all(new_decoder(), ids) if echo else "" for ids in prompt_ids]
+    builders = [[_LogprobBuilder(new_decoder()) for _ in range(n)] for _ in prompts]
     opened = await _open_all(state, ctx, prepared, stream=request.stream)
     completion_id = "cmpl-" + ctx.request_id
     created = int(time.time())
@@ -681,10 +771,15 @@ async def _stream_completions(
 
 
 __all__ = [
+    "ModelTextDecoder",
     "RawSample",
     "TokenTextDecoder",
+    "completions_passthrough_body",
+    "decode_all",
+    "decoder_factory",
     "encode_prompt",
     "raw_prepared",
+    "raw_tokenizer",
     "run_completions",
     "run_generate",
 ]

@@ -73,6 +73,7 @@ from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
 from .run import _open_stream, await_first_chunk
+from .text_upstream import require_token_engine
 
 log = logging.getLogger(__name__)
 
@@ -244,6 +245,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         raise InvalidRequest(
             f"the Responses API serves Harmony models; {group.name!r} is not one", param="model"
         )
+    require_token_engine(group, "the Responses API", "use /v1/chat/completions or /v1/messages")
     effort = parse_reasoning_effort(req.reasoning.effort if req.reasoning else None, param="reasoning.effort")
     requested = parse_gateway_tools(req.tools) if req.tool_choice != "none" else GatewayTools()
     tools = apply_tool_choice(

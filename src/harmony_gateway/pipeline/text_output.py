@@ -97,6 +97,8 @@ class TextChoiceOutput:
         self.cached_tokens = 0
         self.include_reasoning = True
         self.content_parts: list[str] = []
+        #: With stop strings: the answer text as generated, before any cut (names the matched stop).
+        self.answer_seen: list[str] = []
         self.reasoning_parts: list[str] = []
         self.tool_calls: list[TextToolCall] = []
         self.logprobs: list[dict[str, Any]] = []
@@ -238,6 +240,7 @@ class TextChoiceOutput:
             if kind is ContentDelta:
                 text = event.text  # type: ignore[union-attr]
                 if self._stop is not None:
+                    self.answer_seen.append(text)
                     text, hit = self._stop.push(text)
                     if hit:
                         self.stop_hit = True

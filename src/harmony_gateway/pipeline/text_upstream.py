@@ -35,6 +35,17 @@ def is_text_group(group: ModelGroup) -> bool:
     return any(getattr(w.client, "wire", None) == "text" for w in group.workers)
 
 
+def require_token_engine(group: ModelGroup, route: str, instead: str) -> None:
+    """Raise a 400 naming the route and the model (`param: "model"`) when the model is served by HTTP
+    upstreams, which have no token-level interface; called before anything is dispatched."""
+    if is_text_group(group):
+        raise InvalidRequest(
+            f"{route} is not available for model {group.name!r}: it is served by an HTTP upstream, "
+            f"which has no token-level interface; {instead}",
+            param="model",
+        )
+
+
 def _apis(group: ModelGroup) -> set[str]:
     return {
         getattr(w.client, "api", "auto") for w in group.workers if getattr(w.client, "wire", None) == "text"
@@ -130,4 +141,5 @@ __all__ = [
     "completions_body",
     "is_text_group",
     "prepare_chat_passthrough",
+    "require_token_engine",
 ]

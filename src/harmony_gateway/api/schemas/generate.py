@@ -30,8 +30,9 @@ class SglangSamplingParams(_Open):
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=16)
     ignore_eos: bool = False
-    #: SGLang defaults to true; raw Harmony text is what RL and evaluation users need, so false here.
-    skip_special_tokens: bool = False
+    #: Unset: false for Harmony models (raw Harmony text is what RL and evaluation users need), true for
+    #: other models (SGLang's default).
+    skip_special_tokens: bool | None = None
     no_stop_trim: bool = False
     json_schema: str | None = None
     regex: str | None = None
@@ -77,7 +78,7 @@ class CompletionRequest(_Open):
     seed: int | None = None
     suffix: str | None = None
     ignore_eos: bool = False
-    #: vLLM extension; false keeps the raw Harmony text.
-    skip_special_tokens: bool = False
+    #: vLLM extension. Unset: false for Harmony models (the raw Harmony text), true for other models.
+    skip_special_tokens: bool | None = None
     user: str | None = None
     logit_bias: dict[str, Any] | None = None
