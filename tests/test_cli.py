@@ -55,3 +55,15 @@ def test_bad_policy_exits_2_with_one_line() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown routing policy" in proc.stderr
+
+
+def test_text_parser_window_flags() -> None:
+    flags = ["--text-parser-window-chars", "64", "--text-parser-window-seconds", "1.5"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", *flags]))
+    assert (settings.text_parser_window_chars, settings.text_parser_window_seconds) == (64, 1.5)
+    default = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1"]))
+    assert (default.text_parser_window_chars, default.text_parser_window_seconds) == (256, None)
+    bad = build_parser().parse_args(
+        ["serve", "--worker-url", "grpc://h:1", "--text-parser-window-chars", "-1"]
+    )
+    assert "--text-parser-window-chars" in (invalid_setting(settings_from_args(bad)) or "")

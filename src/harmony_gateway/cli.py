@@ -126,6 +126,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         tool_call_parsers=_pairs(args.tool_call_parser, "--tool-call-parser"),
         model_aliases=_pairs(args.model_alias, "--model-alias"),
         text_parsers=_pairs(args.text_parser, "--text-parser"),
+        text_parser_window_chars=args.text_parser_window_chars,
+        text_parser_window_seconds=args.text_parser_window_seconds,
     )
 
 
@@ -147,6 +149,10 @@ def invalid_setting(settings: Settings) -> str | None:
         validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
     except InvalidRequest as exc:
         return exc.message
+    if settings.text_parser_window_chars < 0:
+        return "--text-parser-window-chars must be 0 or more"
+    if settings.text_parser_window_seconds is not None and settings.text_parser_window_seconds <= 0:
+        return "--text-parser-window-seconds must be above 0"
     return None
 
 
@@ -313,6 +319,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MODEL=KIND",
         help="text output parser for a model behind an HTTP upstream: harmony, think, marker, "
         "passthrough or off (docs/models.md)",
+    )
+    p.add_argument(
+        "--text-parser-window-chars",
+        type=int,
+        default=256,
+        metavar="N",
+        help="the Harmony text parser falls back to the ===FINAL=== marker, then pass-through, when no "
+        "channel marker appears in the first N characters (default 256)",
+    )
+    p.add_argument(
+        "--text-parser-window-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="... or within S seconds of the first output chunk (default: no time limit)",
     )
     p.add_argument(
         "--model-alias",

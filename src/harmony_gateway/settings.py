@@ -78,3 +78,8 @@ class Settings:
     #: Text-level output parser per model for text-mode (HTTP) upstreams: harmony | think | marker |
     #: passthrough | off. Default: harmony for Harmony models, else the reasoning/tool-call parsers.
     text_parsers: dict[str, str] = field(default_factory=dict)
+    #: The Harmony text parser's fallback window: with no channel marker in the first this many
+    #: characters (or this many seconds after the first chunk, when set), it falls back to `marker`,
+    #: then pass-through.
+    text_parser_window_chars: int = 256
+    text_parser_window_seconds: float | None = None

@@ -334,3 +334,28 @@ async def test_messages_through_the_upstream(
     assert message.usage.output_tokens == 20
     api, body = upstream.requests[-1]
     assert api == ("chat" if model == PLAIN else "completions")
+
+
+async def test_text_parser_window_setting() -> None:
+    """`--text-parser-window-chars`: with no channel marker in the window, the Harmony text parser falls
+    back to the `===FINAL===` marker found there (and counts it); the default window waits for the
+    late channel marker instead."""
+    late = "Preface.===FINAL===The answer, then a late <|channel|>final<|message|>marker.<|return|>"
+    expected = {
+        24: ("Preface.", "The answer, then a late <|channel|>final<|message|>marker.<|return|>"),
+        256: (None, "Preface.===FINAL===The answer, then a late marker."),
+    }
+    async with running_upstream(FakeUpstream(models=(HARMONY,), long_text=late)) as up:
+        for window, (reasoning, content) in expected.items():
+            settings = test_settings(
+                worker_urls=(f"{up.url}?model={HARMONY}",), text_parser_window_chars=window
+            )
+            async with running_gateway(settings) as gw:
+                async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="t", max_retries=0) as client:
+                    for stream in (False, True):
+                        out = await ask(client, "[[long]]", stream=stream)
+                        assert (out["reasoning"], out["content"]) == (reasoning, content)
+                async with httpx.AsyncClient() as http:
+                    metrics = (await http.get(gw.url + "/metrics")).text
+            fell_back = 'harmony_marker_fallback_total{fallback="marker"} 2.0' in metrics
+            assert fell_back == (window == 24)

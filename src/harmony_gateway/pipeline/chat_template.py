@@ -189,7 +189,8 @@ def output_spec(
 ) -> OutputSpec:
     settings = state.settings
     extra = request.model_extra or {}
-    return OutputSpec(
+    return OutputSpec.configured(
+        settings,
         tokenizer=tok,
         text_kind=settings.text_parsers.get(group.name),
         reasoning_parser=settings.reasoning_parsers.get(group.name),

@@ -54,10 +54,28 @@ class OutputSpec:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     no_stop_trim: bool = False
+    #: The Harmony text parser's fallback window (`--text-parser-window-chars` / `-seconds`).
+    window_chars: int = 256
+    window_seconds: float | None = None
+
+    @classmethod
+    def configured(cls, settings: Any, **fields: Any) -> OutputSpec:
+        """A spec carrying the operator's text-parser window settings."""
+        return cls(
+            window_chars=settings.text_parser_window_chars,
+            window_seconds=settings.text_parser_window_seconds,
+            **fields,
+        )
 
     def new_chain(self) -> ParserChain | None:
         return build_parser_chain(
-            text_kind=self.text_kind, reasoning=self.reasoning_parser, tool_call=self.tool_call_parser
+            text_kind=self.text_kind,
+            reasoning=self.reasoning_parser,
+            tool_call=self.tool_call_parser,
+            harmony_options={
+                "marker_window_chars": self.window_chars,
+                "marker_window_seconds": self.window_seconds,
+            },
         )
 
 

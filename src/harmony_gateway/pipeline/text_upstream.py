@@ -128,7 +128,8 @@ def attach_harmony_upstream(
         bodies["chat"] = chat_body(request)
     prepared.upstream_body = bodies
     extra = request.model_extra or {}
-    prepared.output_adapter = OutputSpec(
+    prepared.output_adapter = OutputSpec.configured(
+        state.settings,
         tokenizer=None,
         text_kind=state.settings.text_parsers.get(group.name, "harmony"),
         no_stop_trim=bool(extra.get("no_stop_trim")),

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 from ...errors import InvalidRequest
 from ...harmony.text_parser import ParserStats, TextOutputParser, create_text_parser
@@ -55,11 +55,16 @@ def validate_parser_names(reasoning: dict[str, str], tool_call: dict[str, str], 
 
 
 def build_parser_chain(
-    *, text_kind: str | None, reasoning: str | None, tool_call: str | None
+    *,
+    text_kind: str | None,
+    reasoning: str | None,
+    tool_call: str | None,
+    harmony_options: dict[str, Any] | None = None,
 ) -> ParserChain | None:
     """The chain for one choice, or None when the output is used as it comes (`text_kind="off"`, or
     no parser configured). A text kind replaces the reasoning parser; `harmony` finds tool calls
-    itself, so no tool-call parser follows it."""
+    itself, so no tool-call parser follows it. `harmony_options` are keyword options of the Harmony
+    text parser (`marker_window_chars`, `marker_window_seconds`)."""
     if text_kind == "off":
         return None
     stats = ParserStats()
@@ -67,9 +72,11 @@ def build_parser_chain(
     if text_kind is not None:
         if text_kind not in TEXT_PARSER_KINDS:
             raise InvalidRequest(f"unknown text parser {text_kind!r}")
-        first = create_text_parser(text_kind, stats=stats)
         if text_kind == "harmony":
+            first = create_text_parser(text_kind, stats=stats, **(harmony_options or {}))
             tool_call = None
+        else:
+            first = create_text_parser(text_kind, stats=stats)
     elif reasoning:
         first = _lookup(REASONING_PARSERS, reasoning, "reasoning parser")(stats)
     then = _lookup(TOOL_CALL_PARSERS, tool_call, "tool-call parser")(stats) if tool_call else None
