@@ -44,6 +44,39 @@ async def test_request_id_reaches_the_engine_and_the_log(
     assert (SECRET in repr(line)) is log_prompts
 
 
+@pytest.mark.parametrize("log_prompts", [False, True])
+async def test_log_prompts_covers_every_generating_route(
+    log_prompts: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--log-prompts` puts the prompt of Responses, /generate and completions requests in their log line
+    (as it does for chat and messages); without it no prompt text is logged."""
+    async with sims(SimConfig()) as (engine,):
+        settings = gateway_settings(worker_urls=(engine.url,), log_prompts=log_prompts)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            with caplog.at_level(logging.INFO, logger="harmony_gateway.requests"):
+                model = "openai/gpt-oss-20b"
+                requests = [
+                    ("/v1/responses", {"model": model, "input": SECRET, "instructions": "be " + SECRET}),
+                    ("/v1/responses", {"model": model, "input": [{"role": "user", "content": SECRET}]}),
+                    ("/v1/responses", {"model": model, "input": SECRET, "stream": True}),
+                    ("/v1/completions", {"model": model, "prompt": SECRET, "max_tokens": 5}),
+                    ("/generate", {"text": SECRET, "sampling_params": {"max_new_tokens": 5}}),
+                ]
+                for path, body in requests:
+                    r = await http.post(path, json=body)
+                    assert r.status_code == 200, r.text
+    records = [rec for rec in caplog.records if rec.name == "harmony_gateway.requests"]
+    assert [orjson.loads(JsonFormatter().format(rec))["route"] for rec in records] == [
+        "responses",
+        "responses",
+        "responses",
+        "completions",
+        "generate",
+    ]
+    for record in records:
+        assert (SECRET in JsonFormatter().format(record)) is log_prompts
+
+
 async def test_missing_and_wrong_keys_are_401_with_a_request_id(sim) -> None:
     settings = gateway_settings(worker_urls=(sim.url,), api_keys=frozenset({"right"}))
     async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:

@@ -153,6 +153,47 @@ async def test_cancel_ends_the_live_stream(slow_gateway: RunningGateway, slow_si
         validate_event_stream(events[:9] + _dump([e async for e in tail]))
 
 
+async def test_cancel_through_another_replica(slow_gateway: RunningGateway, slow_sim) -> None:
+    """`serve --workers N` or several replicas: the cancel lands on a process that does not run the
+    response. It is stored as cancelled there; the running process notices, aborts its engine request
+    and ends the response's event log as cancelled."""
+    settings = slow_gateway.state.settings
+    async with running_gateway(
+        test_settings(worker_urls=(slow_sim.url,), storage_url=settings.storage_url)
+    ) as other:
+        async with _client(slow_gateway) as c, _client(other) as o:
+            quick = await c.responses.create(model=MODEL, input="hello there", background=True)
+            created = await c.responses.create(
+                model=MODEL, input="[[long]] cancel me elsewhere", background=True
+            )
+            engine_request_id = created._request_id
+            assert engine_request_id
+            await wait_until(lambda: any(r.request_id == engine_request_id for r in slow_sim.requests))
+            assert slow_gateway.state.background.running(created.id)
+            assert not other.state.background.running(created.id)
+
+            cancelled = await o.responses.cancel(created.id)
+            assert cancelled.id == created.id and cancelled.status == "cancelled"
+            await wait_until(lambda: engine_request_id in slow_sim.aborted, timeout=5)
+            await wait_until(lambda: not slow_gateway.state.background.running(created.id), timeout=5)
+            stored = await c.responses.retrieve(created.id)
+            assert stored.status == "cancelled" and stored.error is None
+            assert stored.output and stored.output[-1].status == "incomplete"  # what it had generated
+            events = _dump([e async for e in await o.responses.retrieve(created.id, stream=True)])
+            validate_event_stream(events)
+            assert events[-1]["type"] == "response.failed"
+            assert events[-1]["response"]["status"] == "cancelled"
+            assert (await o.responses.cancel(created.id)).status == "cancelled"  # unchanged
+
+            # A response that completed before the cancel stays completed: 400, on either replica.
+            await wait_until(lambda: not slow_gateway.state.background.running(quick.id), timeout=10)
+            assert (await o.responses.retrieve(quick.id)).status == "completed"
+            for client in (o, c):
+                with pytest.raises(openai.BadRequestError):
+                    await client.responses.cancel(quick.id)
+            assert (await c.responses.retrieve(quick.id)).status == "completed"
+
+
 async def test_non_background_responses_are_not_replayable(client: openai.AsyncOpenAI) -> None:
     r = await client.responses.create(model=MODEL, input="plain")
     with pytest.raises(openai.BadRequestError) as info:

@@ -114,6 +114,50 @@ async def test_payloads_must_be_json(store: Store) -> None:
     assert await store.get_conversation(conv.id, ALICE) is None
 
 
+async def test_update_response_if_writes_only_from_the_given_statuses(store: Store) -> None:
+    running = response(status="in_progress", background=True)
+    await store.put_response(running)
+    assert await store.get_response_status(running.id) == "in_progress"
+
+    cancelled = response(running.id, status="cancelled", background=True)
+    assert await store.update_response_if(cancelled, {"queued", "in_progress"}) is True
+    assert await store.get_response(running.id, ALICE) == cancelled
+    assert await store.get_response_status(running.id) == "cancelled"
+
+    # The completion that lost the race must not resurrect the cancelled response.
+    completed = response(running.id, status="completed", background=True)
+    assert await store.update_response_if(completed, {"queued", "in_progress"}) is False
+    assert await store.get_response(running.id, ALICE) == cancelled
+    # Nor may a cancel turn a completed response into a cancelled one.
+    done = response(status="completed", background=True)
+    await store.put_response(done)
+    assert await store.update_response_if(response(done.id, status="cancelled"), {"in_progress"}) is False
+    assert await store.get_response_status(done.id) == "completed"
+
+
+async def test_update_response_if_is_owner_scoped_and_validates(store: Store) -> None:
+    mine = response(status="queued")
+    await store.put_response(mine)
+    foreign = response(mine.id, owner=BOB, status="cancelled")
+    assert await store.update_response_if(foreign, {"queued"}) is False
+    assert await store.update_response_if(response(rid(), status="cancelled"), {"queued"}) is False
+    assert await store.update_response_if(response(mine.id, status="failed"), set()) is False
+    assert await store.get_response_status(mine.id) == "queued"
+    assert await store.get_response_status(rid()) is None
+    with pytest.raises(ValueError, match="status"):
+        await store.update_response_if(response(mine.id, status="done"), {"queued"})
+
+
+async def test_update_response_if_lets_exactly_one_racer_win(store: Store) -> None:
+    running = response(status="in_progress", background=True)
+    await store.put_response(running)
+    racers = [response(running.id, status=s, background=True) for s in ("cancelled", "completed") * 4]
+    won = await asyncio.gather(*(store.update_response_if(r, {"in_progress"}) for r in racers))
+    assert sum(won) == 1
+    winner = racers[won.index(True)]
+    assert await store.get_response(running.id, ALICE) == winner
+
+
 async def test_owner_isolation_for_responses(store: Store) -> None:
     stored = response(owner=ALICE)
     await store.put_response(stored)

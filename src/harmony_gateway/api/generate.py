@@ -21,7 +21,10 @@ router = APIRouter()
 async def generate(request: Request) -> Response:
     state = gateway(request)
     ctx = new_context(request, "generate", state)
-    body = GenerateRequest.model_validate(await json_body(request))
+    raw = await json_body(request)
+    if state.settings.log_prompts:
+        ctx.log_extra["prompt"] = raw.get("text") if raw.get("text") is not None else raw.get("input_ids")
+    body = GenerateRequest.model_validate(raw)
     result = await run_logged(ctx, run_generate(state, body, ctx))
     if isinstance(result, (dict, list)):
         finish_request(ctx)
@@ -33,7 +36,10 @@ async def generate(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     state = gateway(request)
     ctx = new_context(request, "completions", state)
-    body = CompletionRequest.model_validate(await json_body(request))
+    raw = await json_body(request)
+    if state.settings.log_prompts:
+        ctx.log_extra["prompt"] = raw.get("prompt")
+    body = CompletionRequest.model_validate(raw)
     result = await run_logged(ctx, run_completions(state, body, ctx))
     if isinstance(result, dict):
         finish_request(ctx)

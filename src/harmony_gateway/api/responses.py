@@ -55,6 +55,9 @@ async def create_response(request: Request) -> Response:
     state = gateway(request)
     ctx = new_context(request, "responses", state)
     body = await json_body(request)
+    if state.settings.log_prompts:
+        ctx.log_extra["instructions"] = body.get("instructions")
+        ctx.log_extra["input"] = body.get("input")
     req = ResponsesRequest.model_validate(body)
     result = await run_logged(ctx, run_responses(state, req, ctx))
     if isinstance(result, dict):

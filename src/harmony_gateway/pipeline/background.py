@@ -1,7 +1,11 @@
 """Background responses: tasks owned by the app lifespan, cancellable by response id.
 
-A background response outlives its HTTP request. Each task is tracked so `POST /cancel` can stop it
-(cancellation reaches `dispatch`, which aborts the engine request) and shutdown can stop them all.
+A background response outlives its HTTP request. Each task is tracked so shutdown can stop them all.
+`POST /cancel` may reach any process or replica: it marks the stored response `cancelled` (a
+conditional write, so it never overrides an ending that was stored first), and a watcher beside each
+task polls the stored status every `CANCEL_POLL_SECONDS` and cancels the task when it reads
+`cancelled`; cancellation reaches `dispatch`, which aborts the engine request. On the replica that
+runs the task the cancel endpoint also cancels it directly, without waiting for the poll.
 While it runs, its live event feed (`responses_events.EventFeed`) is registered here by response id,
 so a stream resumed on this replica follows it; the feed leaves with the task.
 Responses a previous run of this replica left queued or in progress are marked failed at start-up.
@@ -20,6 +24,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RUNNER_KEY = "_runner"
+
+#: How often the watcher of a running background response reads its stored status (one small query).
+CANCEL_POLL_SECONDS = 0.25
+
+#: Statuses a background response may still leave (a cancel or its own ending moves it on).
+ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 
 def default_runner_id(port: int) -> str:
@@ -56,17 +66,28 @@ def orphaned(runner: str | None, me: str) -> bool:
 
 
 class BackgroundRunner:
-    def __init__(self, runner_id: str) -> None:
+    def __init__(self, runner_id: str, *, poll_interval: float = CANCEL_POLL_SECONDS) -> None:
         self.runner_id = runner_id
+        self.poll_interval = poll_interval
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._feeds: dict[str, Any] = {}
 
-    def start(self, response_id: str, work: Coroutine[Any, Any, None], feed: Any = None) -> None:
-        """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends."""
+    def start(
+        self, response_id: str, work: Coroutine[Any, Any, None], feed: Any = None, store: Any = None
+    ) -> None:
+        """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends.
+        With `store`, a watcher cancels the task once the stored response reads `cancelled` (a cancel
+        received by another process or replica); it ends with the task."""
         task = asyncio.create_task(work, name=f"background-{response_id}")
         self._tasks[response_id] = task
         if feed is not None:
             self._feeds[response_id] = feed
+        if store is not None:
+            watcher = asyncio.create_task(
+                watch_for_cancel(store, response_id, task, self.poll_interval),
+                name=f"background-watch-{response_id}",
+            )
+            task.add_done_callback(lambda _t: watcher.cancel())
         task.add_done_callback(lambda _t: self._forget(response_id))
 
     def _forget(self, response_id: str) -> None:
@@ -96,6 +117,24 @@ class BackgroundRunner:
             await asyncio.wait(tasks, timeout=10)
 
 
+async def watch_for_cancel(store: Any, response_id: str, task: asyncio.Task[None], interval: float) -> None:
+    """Cancel `task` once the stored status of `response_id` is `cancelled`; return when the response
+    has ended (or is gone). A failed read is logged and retried at the next interval."""
+    while not task.done():
+        await asyncio.sleep(interval)
+        try:
+            status = await store.get_response_status(response_id)
+        except Exception as exc:
+            log.warning("cancel watcher of %s could not read its status: %s", response_id, exc)
+            continue
+        if status == "cancelled":
+            log.info("background response %s was cancelled elsewhere; stopping it", response_id)
+            task.cancel()
+            return
+        if status is None or status not in ACTIVE_STATUSES:
+            return
+
+
 async def fail_interrupted(store: Any, runner_id: str) -> int:
     """Mark responses this replica was running when it stopped as failed, so none stays in progress."""
     stale = await store.list_responses_with_status({"queued", "in_progress"}, background_only=True)
@@ -113,8 +152,9 @@ async def fail_interrupted(store: Any, runner_id: str) -> int:
                 "message": "the gateway restarted while this response was running",
             },
         )
-        await store.put_response(record)
-        count += 1
+        # Conditional: a sibling that ended or cancelled it meanwhile keeps its own ending.
+        if await store.update_response_if(record, ACTIVE_STATUSES):
+            count += 1
     if count:
         log.warning("marked %d interrupted background responses as failed", count)
     return count

@@ -21,16 +21,17 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from ..api.schemas.responses import ResponsesRequest
-from ..errors import Conflict, GatewayError, InvalidRequest, NotFound
+from ..engines.base import EngineChunk
+from ..errors import GatewayError, InvalidRequest, NotFound
 from ..harmony import token_parser as tp
-from ..harmony.encoding import ASSISTANT_STOP_IDS
+from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
 from ..harmony.messages import (
     FunctionTool,
     Msg,
@@ -53,10 +54,10 @@ from ..mcp.tool_loop import (
     parse_gateway_tools,
 )
 from ..storage.base import StoredResponse
-from .background import RUNNER_KEY
+from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
-from .parse_output import parse_chunk
+from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
     apply_tool_choice,
     forces_tool_call,
@@ -193,6 +194,15 @@ def listed_tools(items: list[dict[str, Any]]) -> dict[str, list[McpTool]]:
     return out
 
 
+#: The `include` value that asks for answer-token logprobs. Other values are accepted and ignored:
+#: gpt-oss has nothing to put there (Codex sends `reasoning.encrypted_content`).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return LOGPROBS_INCLUDE in (req.include or ())
+
+
 def _envelope(
     req: ResponsesRequest, response_id: str, created_at: int, model: str, effort: str
 ) -> dict[str, Any]:
@@ -218,6 +228,7 @@ def _envelope(
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": redacted_tools(req.tools),
+        "top_logprobs": req.top_logprobs,
         "top_p": req.top_p if req.top_p is not None else 1.0,
         "truncation": req.truncation or "disabled",
         "usage": None,
@@ -361,6 +372,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             prefix=prefix,
             max_reasoning_tokens=req.reasoning.max_tokens if req.reasoning else None,
             original_text="[harmony]",
+            # Answer-token logprobs only when included (`top_logprobs` alone is echoed, as OpenAI does).
+            return_logprob=wants_logprobs(req),
+            top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else 0,
         )
         # Never derived from x-request-id: a client may reuse one, and a stored response must not be overwritten.
         response_id = new_id("resp")
@@ -493,6 +507,8 @@ async def generate(
     calls tools after the model was told `max_tool_calls` is reached."""
     loop = plan.tools
     builder.tools = loop
+    if plan.prepared.return_logprob and builder.token_text is None:
+        builder.token_text = token_texts(state.encoding)
     pinned = None
     while True:
         plan.iterations += 1
@@ -507,12 +523,12 @@ async def generate(
         async with contextlib.aclosing(chunks):
             if first is not None:
                 usage.account(plan, first)
-                builder.on_events(parse_chunk(parser, first))
+                _parse_into(builder, parser, first)
             if builder.ready():
                 yield builder.take()
             async for chunk in chunks:
                 usage.account(plan, chunk)
-                builder.on_events(parse_chunk(parser, chunk))
+                _parse_into(builder, parser, chunk)
                 if builder.ready():
                     yield builder.take()
         pinned = ctx.worker
@@ -568,6 +584,46 @@ async def generate(
                 raise
             plan.finish_reason = "length"  # the conversation outgrew the context: as a length stop
             return
+
+
+def _parse_into(builder: ResponseBuilder, parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> None:
+    """Parse one engine chunk into the builder. With logprobs requested the tokens go in one at a time,
+    so each answer token's logprob rides on the text delta it forms; only tokens of final and preamble
+    text are reported, never analysis, tool-call or control tokens (REFERENCE §2.7). Stream and
+    non-stream take this same path, so they report the same entries."""
+    logprobs = chunk.logprobs
+    if builder.token_text is None or not logprobs:
+        builder.on_events(parse_chunk(parser, chunk))
+        return
+    for i, token in enumerate(chunk.token_ids):
+        before = parser.open_message
+        events = parser.feed((token,))
+        if (
+            token < FIRST_SPECIAL_ID
+            and before is not None
+            and before is parser.open_message
+            and (before.kind == tp.ANSWER or before.kind == tp.PREAMBLE)
+            and i < len(logprobs)
+            and logprobs[i].token_id == token
+        ):
+            builder.add_logprob(before, logprobs[i])
+        if events:
+            builder.on_events(events)
+    if chunk.finished:
+        builder.on_events(feed_chunk(parser, dataclasses.replace(chunk, token_ids=[])))
+
+
+def token_texts(encoding: Any) -> Callable[[int], str]:
+    """A token id's text (for logprob entries), cached for the request."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        found = cache.get(token_id)
+        if found is None:
+            found = cache[token_id] = encoding.decode([token_id])
+        return found
+
+    return text
 
 
 @dataclass(slots=True)
@@ -633,13 +689,18 @@ def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = Fals
 
 async def persist(
     state: GatewayState, plan: ResponsePlan, body: dict[str, Any], *, background: bool = False
-) -> None:
-    """Store the response (before it is reported complete) and extend its conversation."""
+) -> bool:
+    """Store the response (before it is reported complete) and extend its conversation. A background
+    response is stored only while it is still queued or in progress: False (nothing written, the
+    conversation not extended) when a cancel was stored first."""
     if plan.request.store:
         record = _record(plan, body, background=background)
         if background:
             record.metadata[RUNNER_KEY] = state.background.runner_id
-        await state.store.put_response(record)
+            if not await state.store.update_response_if(record, ACTIVE_STATUSES):
+                return False
+        else:
+            await state.store.put_response(record)
     if plan.conversation_id:
         # An item_reference points at an item that is already stored (in this conversation or a
         # response): the conversation gets the new items only, never a second copy of that id.
@@ -649,6 +710,7 @@ async def persist(
         )
         if added is None:
             raise NotFound(f"Conversation with id {plan.conversation_id!r} not found", param="conversation")
+    return True
 
 
 async def run_responses(
@@ -709,15 +771,30 @@ async def _stream(
         yield builder.take() + terminal
     except GatewayError as exc:
         ctx.status = exc.status_code
-        builder.take()
-        builder.finish("failed", error={"code": "server_error", "message": exc.message})
-        yield builder.take()
+        yield await _fail_stream(state, plan, builder, exc.message)
     except Exception as exc:
         log.exception("responses stream failed", exc_info=exc)
         ctx.status = 500
-        builder.take()
-        builder.finish("failed", error={"code": "server_error", "message": "internal error while generating"})
-        yield builder.take()
+        yield await _fail_stream(state, plan, builder, "internal error while generating")
+
+
+async def _fail_stream(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, message: str
+) -> bytes:
+    """End a stream that failed after `response.created`: close the open items (incomplete), store the
+    failed Response when `store` is set (OpenAI keeps failed responses; GET returns it), and return the
+    closing frames, `response.failed` last. The conversation is not extended by a failed turn.
+
+    A non-stream request that fails answers with the HTTP error instead and stores nothing: its client
+    never learnt the response id."""
+    builder.take()
+    body = builder.finish("failed", error={"code": "server_error", "message": message})
+    if plan.request.store:
+        try:
+            await state.store.put_response(_record(plan, body))
+        except Exception as exc:
+            log.warning("failed response %s could not be stored: %s", plan.response_id, exc)
+    return builder.take()
 
 
 # -- background ------------------------------------------------------------------------------------
@@ -733,7 +810,9 @@ async def start_background(
     await persist_status(state, plan, queued)
     await feed.publish(builder.take_events())
     await feed.flush()  # the log exists as soon as the response does
-    state.background.start(plan.response_id, _run_background(state, plan, ctx, builder, feed), feed)
+    state.background.start(
+        plan.response_id, _run_background(state, plan, ctx, builder, feed), feed, state.store
+    )
     if plan.request.stream:
         return stream_stored_events(
             state.store,
@@ -746,10 +825,25 @@ async def start_background(
     return queued
 
 
-async def persist_status(state: GatewayState, plan: ResponsePlan, body: dict[str, Any]) -> None:
+#: A cancelled response may still be rewritten by its own task (with the output generated so far).
+_CANCELLABLE = ACTIVE_STATUSES | {"cancelled"}
+
+
+async def persist_status(
+    state: GatewayState,
+    plan: ResponsePlan,
+    body: dict[str, Any],
+    *,
+    from_statuses: frozenset[str] | None = None,
+) -> bool:
+    """Store the background response's state; with `from_statuses`, only while its stored status is one
+    of them (`Store.update_response_if`): False when another writer moved it on first."""
     record = _record(plan, body, background=True)
     record.metadata[RUNNER_KEY] = state.background.runner_id
-    await state.store.put_response(record)
+    if from_statuses is None:
+        await state.store.put_response(record)
+        return True
+    return await state.store.update_response_if(record, from_statuses)
 
 
 async def _run_background(
@@ -758,7 +852,12 @@ async def _run_background(
     """The response's task: every event goes to `feed` (live subscribers and the stored log); the final
     state is stored before the terminal event is published, on every path, cancellation included."""
     try:
-        await persist_status(state, plan, builder.snapshot("in_progress"))
+        if not await persist_status(
+            state, plan, builder.snapshot("in_progress"), from_statuses=frozenset({"queued"})
+        ):
+            await plan.close_tools()
+            await _end_cancelled(state, plan, builder, feed)  # cancelled while queued
+            return
         builder.announce_in_progress()
         await feed.publish(builder.take_events())
         try:
@@ -768,16 +867,16 @@ async def _run_background(
         finally:
             await plan.close_tools()
         body = _finish(state, plan, builder, ctx)
-        await persist(state, plan, body, background=True)
+        if not await persist(state, plan, body, background=True):
+            # A cancel was stored first: it stands, and the log ends as the store does.
+            await _end_cancelled(state, plan, builder, feed)
+            return
         await feed.publish(builder.take_events())
     except asyncio.CancelledError:
-        # Cancelled (POST /cancel, shutdown). If the response already finished, its own end stands.
-        final = builder.final or builder.finish("cancelled")
+        # Cancelled: POST /cancel (here, or through the watcher when it reached another replica) or
+        # shutdown. If the response already ended and that was stored, its own end stands.
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-            if final["status"] == "cancelled":
-                with contextlib.suppress(Exception):
-                    await persist_status(state, plan, final)
-            await feed.publish(builder.take_events())
+            await _end_cancelled(state, plan, builder, feed)
         raise
     except Exception as exc:
         final = builder.final
@@ -788,26 +887,65 @@ async def _run_background(
             final = builder.finish("failed", error={"code": "server_error", "message": message})
         else:
             log.exception("background response %s could not be stored", plan.response_id, exc_info=exc)
+        stored = False
         with contextlib.suppress(Exception):
-            await persist_status(state, plan, final)
+            stored = await persist_status(state, plan, final, from_statuses=ACTIVE_STATUSES)
+        if not stored:
+            await _end_cancelled(state, plan, builder, feed)  # the stored cancel, if any, stands
+            return
         await feed.publish(builder.take_events())
     finally:
         if state.metrics is not None:
             state.metrics.observe_harmony(plan.parsers)
 
 
+async def _end_cancelled(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, feed: EventFeed
+) -> None:
+    """End a background response as cancelled: store it with the output generated so far (unless an
+    ending was stored first, which then stands) and publish the matching terminal event."""
+    if builder.final is not None and builder.final["status"] != "cancelled":
+        with contextlib.suppress(Exception):
+            if await state.store.get_response_status(plan.response_id) == "cancelled":
+                builder.retract_final()  # that ending lost the race to the stored cancel
+    final = builder.final or builder.finish("cancelled")
+    if final["status"] == "cancelled":
+        try:
+            await persist_status(state, plan, final, from_statuses=_CANCELLABLE)
+        except Exception as exc:
+            log.warning("cancelled response %s could not be stored: %s", plan.response_id, exc)
+    await feed.publish(builder.take_events())
+
+
 async def cancel_response(state: GatewayState, response_id: str, owner: str) -> dict[str, Any]:
+    """Cancel a background response wherever it runs (REFERENCE §6.1).
+
+    The stored response becomes `cancelled` through a conditional write, so a response whose ending was
+    stored first is not touched (400, as for any finished response) and its task's later ending cannot
+    undo the cancel. The task stops at once when it runs in this process; elsewhere its watcher
+    (`background.watch_for_cancel`) reads the status within a poll interval. Either way the engine
+    request is aborted, and the task then stores the cancelled Response with what it had generated.
+    Returns the cancelled Response."""
     record = await state.store.get_response(response_id, owner)
     if record is None:
         raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
     if not record.background:
         raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
+    if record.status in ACTIVE_STATUSES:
+        record.status = "cancelled"
+        record.updated_at = time.time()
+        record.response = dict(
+            record.response, status="cancelled", error=None, incomplete_details=None, completed_at=None
+        )
+        if await state.store.update_response_if(record, ACTIVE_STATUSES):
+            if await state.background.cancel(response_id):
+                stopped = await state.store.get_response(response_id, owner)
+                return stopped.response if stopped is not None else record.response
+            return record.response
+        found = await state.store.get_response(response_id, owner)  # it ended (or was cancelled) first
+        if found is None:
+            raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
+        record = found
     if record.status == "cancelled":
         return record.response
-    if record.status not in ("queued", "in_progress"):
-        raise InvalidRequest(f"Cannot cancel a response with status {record.status!r}.", param="response_id")
-    if not await state.background.cancel(response_id):
-        raise Conflict("the response is running on another gateway replica", param="response_id")
-    record = await state.store.get_response(response_id, owner)
-    assert record is not None
-    return record.response
+    raise InvalidRequest(f"Cannot cancel a response with status {record.status!r}.", param="response_id")

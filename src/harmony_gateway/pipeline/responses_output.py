@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,11 @@ class ResponseBuilder:
         self.awaiting: ToolSlot | None = None
         self._held: list[tp.Event] = []
         self._slots: dict[int, ToolSlot] = {}
+        #: With `include: ["message.output_text.logprobs"]`: a token id's text, for logprob entries.
+        self.token_text: Callable[[int], str] | None = None
+        #: Logprob entries of answer tokens not yet reported, by id(msg): they ride on that message's
+        #: next `output_text.delta` (a token that ends inside a character has no text of its own).
+        self._logprobs: dict[int, list[dict[str, Any]]] = {}
 
     # -- framing ----------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -190,7 +196,11 @@ class ResponseBuilder:
                         }
                     )
                 else:
-                    item["content"][0]["text"] += text
+                    part = item["content"][0]
+                    part["text"] += text
+                    logprobs = self._logprobs.pop(key, []) if self._logprobs else []
+                    if logprobs:
+                        part["logprobs"].extend(logprobs)
                     self.emit(
                         {
                             "type": "response.output_text.delta",
@@ -198,11 +208,28 @@ class ResponseBuilder:
                             "output_index": index,
                             "content_index": 0,
                             "delta": text,
-                            "logprobs": [],
+                            "logprobs": logprobs,
                         }
                     )
             else:
                 self._done(key, "completed" if msg.terminated else "incomplete")
+
+    def add_logprob(self, msg: tp.ParsedMessage, logprob: Any) -> None:
+        """Record the logprob (`engines.base.TokenLogprob`) of one answer token of `msg`, in the
+        SDK's `Logprob` shape; reported with the message's next text delta."""
+        token_text = self.token_text
+        assert token_text is not None
+        text = token_text(logprob.token_id)
+        entry = {
+            "token": text,
+            "logprob": logprob.logprob,
+            "bytes": list(text.encode()),
+            "top_logprobs": [
+                {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
+                for tid, value in logprob.top
+            ],
+        }
+        self._logprobs.setdefault(id(msg), []).append(entry)
 
     def _start(self, key: int, msg: tp.ParsedMessage) -> None:
         kind = msg.kind
@@ -297,6 +324,7 @@ class ResponseBuilder:
             )
         else:
             part = item["content"][0]
+            part["logprobs"].extend(self._logprobs.pop(key, ()))
             self.emit(
                 {
                     "type": "response.output_text.done",
@@ -304,7 +332,7 @@ class ResponseBuilder:
                     "output_index": index,
                     "content_index": 0,
                     "text": part["text"],
-                    "logprobs": [],
+                    "logprobs": list(part["logprobs"]),
                 }
             )
             self.emit(
@@ -594,6 +622,16 @@ class ResponseBuilder:
         self.emit({"type": terminal, "response": body})
         self.final = body
         return body
+
+    def retract_final(self) -> bool:
+        """Take back the terminal event while it is still unsent (recording builders), so that another
+        ending can replace it with the same sequence number; False when it was already taken."""
+        if self.final is None or not self.events or self.events[-1][0].get("response") is not self.final:
+            return False
+        self.events.pop()
+        self.sequence -= 1
+        self.final = None
+        return True
 
 
 def usage_of(

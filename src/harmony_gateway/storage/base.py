@@ -9,7 +9,7 @@ any other owner is answered exactly as if the object did not exist.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -114,7 +114,22 @@ class Store(Protocol):
         """
         ...
 
+    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
+        """Replace the stored response `response.id` with `response` only while its status is one of
+        `from_statuses`, atomically (a conditional UPDATE on SQL backends): of two writers racing on one
+        response (a cancel and a completion), the one that loses sees False and nothing is written.
+
+        False as well when the response is missing or belongs to another owner. Raises ValueError as
+        `put_response` does.
+        """
+        ...
+
     async def get_response(self, response_id: str, owner: str) -> StoredResponse | None: ...
+
+    async def get_response_status(self, response_id: str) -> str | None:
+        """The response's status, of any owner, or None when it does not exist: one small read for the
+        watcher of a running background response (gateway-internal, like the event log)."""
+        ...
 
     async def delete_response(self, response_id: str, owner: str) -> bool:
         """Delete a response and its event log; False if it is not visible to `owner`."""

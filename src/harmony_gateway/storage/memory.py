@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,6 +101,21 @@ class MemoryStore:
         while len(self._responses) > self.max_responses:
             evicted, _ = self._responses.popitem(last=False)
             self._events.pop(evicted, None)
+
+    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
+        if response.status not in RESPONSE_STATUSES:
+            raise ValueError(f"unknown response status {response.status!r}")
+        item_ids(response.input_items)
+        stored = self._visible(response.id, response.owner)
+        if stored is None or stored.status not in from_statuses:
+            return False
+        # Replaced in place: the response keeps its position in the eviction order.
+        self._responses[response.id] = _copy_response(response)
+        return True
+
+    async def get_response_status(self, response_id: str) -> str | None:
+        stored = self._responses.get(response_id)
+        return stored.status if stored is not None else None
 
     def _visible(self, response_id: str, owner: str) -> StoredResponse | None:
         stored = self._responses.get(response_id)

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -371,6 +371,33 @@ class SqlStore:
         )
         async with self._write() as conn:
             await conn.execute(stmt)
+
+    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
+        if response.status not in RESPONSE_STATUSES:
+            raise ValueError(f"unknown response status {response.status!r}")
+        item_ids(response.input_items)
+        if not from_statuses:
+            return False
+        values = _response_values(response)
+        del values["id"]
+        stmt = (
+            sa.update(responses)
+            .where(
+                responses.c.id == response.id,
+                responses.c.owner == response.owner,
+                responses.c.status.in_(sorted(from_statuses)),
+            )
+            .values(values)
+        )
+        async with self._write() as conn:
+            result = await conn.execute(stmt)
+        return result.rowcount > 0
+
+    async def get_response_status(self, response_id: str) -> str | None:
+        query = sa.select(responses.c.status).where(responses.c.id == response_id)
+        async with self._read() as conn:
+            status: str | None = (await conn.execute(query)).scalar()
+        return status
 
     async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
         query = sa.select(responses).where(responses.c.id == response_id, responses.c.owner == owner)
