@@ -2,12 +2,14 @@
 
 Normalises SGLang's stream into `EngineChunk`s: chunks carry new token ids; in stream mode the final
 `GenerateComplete` repeats the last chunk's tokens (smg_grpc_servicer), so its ids are ignored and it
-contributes only the finish reason, counts and matched stop.
+contributes only the finish reason, counts and matched stop. The SGLang proto has no `seed`: a request
+that sets one is served unseeded, with a warning logged once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +23,18 @@ from ..errors import UpstreamError
 from .base import EngineChunk, GenerateRequest, ModelInfo
 from .grpc_common import GrpcEngineClient, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
+
+log = logging.getLogger(__name__)
+
+_seed_warned = False
+
+
+def warn_seed_ignored() -> None:
+    """Log, once per process, that SGLang engines cannot honour `seed` (REFERENCE §2.7)."""
+    global _seed_warned
+    if not _seed_warned:
+        _seed_warned = True
+        log.warning("seed ignored: the SGLang engine protocol has no seed (logged once per process)")
 
 
 class SglangGrpcClient(GrpcEngineClient):
@@ -65,6 +79,8 @@ class SglangGrpcClient(GrpcEngineClient):
 
     def to_proto(self, request: GenerateRequest) -> pb.GenerateRequest:
         s = request.sampling
+        if s.seed is not None:
+            warn_seed_ignored()
         params = pb.SamplingParams(
             temperature=s.temperature,
             top_p=s.top_p,
