@@ -57,6 +57,22 @@ def test_bad_policy_exits_2_with_one_line() -> None:
     assert proc.stderr.strip().count("\n") == 0 and "unknown routing policy" in proc.stderr
 
 
+def test_cache_aware_thresholds_reach_the_policy() -> None:
+    from harmony_gateway.app import build_state
+    from harmony_gateway.routing import CacheAwarePolicy
+
+    flags = ["--cache-threshold", "0.25", "--balance-abs-threshold", "4", "--balance-rel-threshold", "2"]
+    args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--policy=cache_aware", *flags])
+    settings = settings_from_args(args)
+    assert invalid_setting(settings) is None
+    policy = build_state(settings).fleet._policy_factory("m", "regular")
+    assert isinstance(policy, CacheAwarePolicy)
+    assert (policy.cache_threshold, policy.balance_abs_threshold) == (0.25, 4)
+    assert policy.balance_rel_threshold == 2.0
+    args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--cache-threshold", "1.5"])
+    assert "cache_threshold" in (invalid_setting(settings_from_args(args)) or "")
+
+
 def test_text_parser_window_flags() -> None:
     flags = ["--text-parser-window-chars", "64", "--text-parser-window-seconds", "1.5"]
     settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", *flags]))

@@ -26,3 +26,10 @@ def test_process_app_is_built_from_the_command_line(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(cli._ARGV_ENV, json.dumps(argv))
     app = cli.app_from_env()
     assert "/v1/chat/completions" in app.openapi()["paths"]
+
+
+def test_workers_flag_sets_the_process_count() -> None:
+    args = cli.build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--workers", "3"])
+    assert cli.settings_from_args(args).processes == 3
+    args = cli.build_parser().parse_args(["serve", "--worker-url", "grpc://h:1"])
+    assert cli.settings_from_args(args).processes == 1

@@ -47,8 +47,7 @@ def build_state(settings: Settings) -> GatewayState:
             name = settings.decode_policy
         else:
             name = settings.model_policies.get(model, settings.policy)
-        options = {"cache_key": settings.cache_key} if name == "cache_aware" else {}
-        return create_policy(name, **options)
+        return create_policy(name, **settings.policy_options(name))
 
     fleet = Fleet(
         client_factory=lambda url, engine: create_client(

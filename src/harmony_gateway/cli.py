@@ -97,7 +97,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         cache_key=args.cache_key,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
         bootstrap_port=args.bootstrap_port,
+        processes=args.workers,
         max_retries=args.max_retries,
         stream_interval=_stream_interval(args.stream_interval),
         health_interval=args.health_interval,
@@ -135,6 +139,7 @@ def invalid_setting(settings: Settings) -> str | None:
     """A one-line reason the settings cannot work (unknown policy or parser name), or None."""
     from .errors import InvalidRequest
     from .pipeline.output_parsers.registry import validate_parser_names
+    from .routing.cache_aware import CacheAwarePolicy
     from .routing.registry import POLICIES
 
     for name in (
@@ -145,6 +150,10 @@ def invalid_setting(settings: Settings) -> str | None:
     ):
         if name is not None and name not in POLICIES:
             return f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
+    try:
+        CacheAwarePolicy(**settings.policy_options("cache_aware"))
+    except ValueError as exc:
+        return str(exc)
     try:
         validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
     except InvalidRequest as exc:
@@ -198,6 +207,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default="tokens",
         choices=["tokens", "selection-text"],
         help="what cache_aware matches on",
+    )
+    p.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=0.5,
+        help="cache_aware: share of the prompt (0-1) a cached prefix must cover to pick the worker",
+    )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache_aware: send to the least-loaded worker when the busiest has more than this many "
+        "in-flight requests above it...",
+    )
+    p.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="...and more than this many times its in-flight requests",
     )
     p.add_argument(
         "--bootstrap-port",

@@ -98,6 +98,9 @@ class UpstreamError(GatewayError):
 
     #: True when nothing was generated yet, so the request may be retried on another worker.
     retryable: bool = False
+    #: True when the failure says the worker is unwell, so it counts towards its circuit breaker;
+    #: False when the client caused it (a request the engine refused as invalid).
+    blames_worker: bool = True
 
 
 class UpstreamTimeout(UpstreamError):
@@ -121,6 +124,7 @@ class UpstreamRejected(UpstreamError):
     status_code = 400
     error_type = "invalid_request_error"
     code = "invalid_request"
+    blames_worker = False
 
 
 class UpstreamBadOutput(UpstreamError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,17 @@ class Settings:
     prefill_policy: str | None = None
     decode_policy: str | None = None
     cache_key: str = "tokens"  # tokens | selection-text
+    #: cache_aware: the share of the prompt (0-1) a cached prefix must cover to decide the worker.
+    cache_threshold: float = 0.5
+    #: cache_aware: load counts as skewed (least-loaded wins) when the busiest worker has more than
+    #: `balance_abs_threshold` in-flight requests above the least loaded and more than
+    #: `balance_rel_threshold` times its count.
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
     bootstrap_port: int = 8998
+    #: Gateway processes sharing the port (`serve --workers N`). Each holds its own worker set, so above
+    #: 1 the worker API refuses changes that would reach one process only.
+    processes: int = 1
     max_retries: int = 2
     #: Tokens per streamed engine message (SGLang `stream_interval`); None leaves the engine's default,
     #: 0 adapts it to the worker's load (`pipeline.dispatch.adaptive_stream_interval`).
@@ -83,3 +94,14 @@ class Settings:
     #: then pass-through.
     text_parser_window_chars: int = 256
     text_parser_window_seconds: float | None = None
+
+    def policy_options(self, policy: str) -> dict[str, Any]:
+        """The constructor options these settings give the routing policy named `policy`."""
+        if policy != "cache_aware":
+            return {}
+        return {
+            "cache_key": self.cache_key,
+            "cache_threshold": self.cache_threshold,
+            "balance_abs_threshold": self.balance_abs_threshold,
+            "balance_rel_threshold": self.balance_rel_threshold,
+        }

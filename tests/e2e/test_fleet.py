@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
 import httpx
 
 from harmony_gateway.sim import SimConfig, start_sim_engine
+from tests.conftest import MODEL
 from tests.e2e._fleet import answer_text, chat, next_request_id, served_by, sims
 from tests.support.servers import running_gateway, wait_until
 from tests.support.servers import test_settings as gateway_settings
@@ -157,3 +159,179 @@ async def test_pd_dead_prefill_fails_cleanly_and_aborts_decode() -> None:
             await wait_until(lambda: not gw.state.fleet.ready(), timeout=5)
             r = await chat(http)
             assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+async def test_rejected_requests_do_not_open_the_breaker() -> None:
+    async with sims(SimConfig()) as engines:
+        (engine,) = engines
+        settings = gateway_settings(
+            worker_urls=(engine.url,), breaker_failure_threshold=2, **{**FAST, "breaker_cooldown": 60}
+        )
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            worker = worker_by_url(gw, engine.url)
+            for _ in range(4):
+                engine.fail_next(grpc.StatusCode.INVALID_ARGUMENT, message="bad request")
+                r = await chat(http)
+                assert r.status_code == 400, r.text
+            # The client's mistakes say nothing about the worker: it keeps serving everyone.
+            assert worker.breaker.value == "closed" and worker.breaker_failures == 0
+            assert (await chat(http)).status_code == 200
+            # A failure that does blame the worker still counts.
+            engine.fail_next(grpc.StatusCode.INTERNAL, message="engine crashed")
+            assert (await chat(http)).status_code == 502
+            assert worker.breaker_failures == 1
+
+
+async def test_random_and_power_of_two_spread_requests() -> None:
+    async with sims(SimConfig(), SimConfig(), SimConfig()) as engines:
+        for policy in ("random", "power_of_two"):
+            settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy=policy, **FAST)
+            async with (
+                running_gateway(settings) as gw,
+                httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+            ):
+                rids = [next_request_id(policy) for _ in range(15)]
+                results = await asyncio.gather(*(chat(http, request_id=rid) for rid in rids))
+                assert all(r.status_code == 200 for r in results)
+                used = {i for rid in rids for i in served_by(rid, engines)}
+            assert len(used) >= 2, (policy, used)
+
+
+async def test_consistent_hash_pins_chat_users_and_spreads_them() -> None:
+    async with sims(SimConfig(), SimConfig(), SimConfig()) as engines:
+        settings = gateway_settings(
+            worker_urls=tuple(e.url for e in engines), policy="consistent_hash", **FAST
+        )
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            homes: dict[str, set[int]] = {}
+            for turn in range(3):
+                for user in ("ann", "ben", "cat", "dan", "eve", "fay", "gus", "hal"):
+                    rid = next_request_id("user")
+                    r = await chat(http, f"turn {turn}", request_id=rid, user=user)
+                    assert r.status_code == 200, r.text
+                    homes.setdefault(user, set()).update(served_by(rid, engines))
+    assert all(len(home) == 1 for home in homes.values()), homes
+    assert len(set().union(*homes.values())) > 1
+
+
+async def test_consistent_hash_keeps_a_previous_response_chain_on_one_worker() -> None:
+    async with sims(SimConfig(), SimConfig(), SimConfig()) as engines:
+        settings = gateway_settings(
+            worker_urls=tuple(e.url for e in engines), policy="consistent_hash", **FAST
+        )
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            homes: list[set[int]] = []
+            for chain in range(5):
+                home: set[int] = set()
+                previous = None
+                for turn in range(3):
+                    rid = next_request_id("chain")
+                    body = {"model": MODEL, "input": f"chain {chain} turn {turn}"}
+                    if previous is not None:
+                        body["previous_response_id"] = previous
+                    r = await http.post("/v1/responses", json=body, headers={"x-request-id": rid})
+                    assert r.status_code == 200, r.text
+                    previous = r.json()["id"]
+                    home.update(served_by(rid, engines))
+                homes.append(home)
+            # A session header still wins over the chain.
+            rid = next_request_id("chain")
+            sessions = {}
+            for session in ("s1", "s2", "s3"):
+                r = await http.post(
+                    "/v1/responses",
+                    json={"model": MODEL, "input": "hi", "previous_response_id": previous},
+                    headers={"x-request-id": rid + session, "x-session-id": session},
+                )
+                assert r.status_code == 200, r.text
+                sessions[session] = served_by(rid + session, engines)
+                r = await chat(http, request_id=rid + session + "c", headers={"x-session-id": session})
+                assert served_by(rid + session + "c", engines) == sessions[session]
+    assert all(len(home) == 1 for home in homes), homes
+
+
+async def test_cache_aware_moves_a_cached_prefix_to_the_least_loaded_worker_under_skew() -> None:
+    document = " ".join(f"geology paragraph {i} with some distinct words" for i in range(60))
+    slow = SimConfig(tokens_per_second=5, output_tokens=400)
+    async with sims(slow, slow) as engines:
+        settings = gateway_settings(
+            worker_urls=tuple(e.url for e in engines),
+            policy="cache_aware",
+            balance_abs_threshold=2,
+            balance_rel_threshold=1.5,
+            **FAST,
+        )
+        async with (
+            running_gateway(settings) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+            contextlib.AsyncExitStack() as streams,
+        ):
+            homes = []
+            for _ in range(5):
+                rid = next_request_id("skew")
+                payload = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": document}],
+                    "stream": True,
+                }
+                r = await streams.enter_async_context(
+                    http.stream("POST", "/v1/chat/completions", json=payload, headers={"x-request-id": rid})
+                )
+                assert r.status_code == 200  # headers follow the first token: the request is in flight
+                (home,) = served_by(rid, engines)
+                homes.append(home)
+            busy = homes[0]
+            # The cached prefix wins while the gap is within 2 requests; the 4th new request (3 in flight
+            # against 0) goes to the idle worker although its prefix is cached on the busy one.
+            assert homes[:4] == [busy, busy, busy, 1 - busy], homes
+
+
+async def test_harmony_models_turns_on_harmony_for_a_model_not_reported_as_gpt_oss() -> None:
+    name = "acme/finetune-7b"
+    async with sims(SimConfig(model=name, reports_gpt_oss=False)) as (engine,):
+        plain = gateway_settings(worker_urls=(engine.url,), **FAST)
+        async with running_gateway(plain) as gw:
+            await wait_until(lambda: name in gw.state.fleet.groups)
+            assert gw.state.fleet.groups[name].harmony is False
+        settings = gateway_settings(worker_urls=(engine.url,), harmony_models=frozenset({name}), **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await wait_until(lambda: name in gw.state.fleet.groups)
+            assert gw.state.fleet.groups[name].harmony is True
+            r = await chat(http, model=name)
+            assert r.status_code == 200, r.text
+            message = r.json()["choices"][0]["message"]
+            assert "simulated answer" in message["content"] and message["reasoning_content"]
+            assert engine.requests[-1].sampling["stop_token_ids"] == [200002, 200012]
+
+
+async def test_sampling_reaches_the_sglang_engine_exactly() -> None:
+    async with sims(SimConfig()) as (engine,):
+        settings = gateway_settings(worker_urls=(engine.url,), **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            r = await chat(
+                http,
+                temperature=0.25,
+                top_p=0.5,
+                top_k=20,
+                min_p=0.125,
+                repetition_penalty=1.5,
+                n=2,
+                max_completion_tokens=64,
+                stop_token_ids=[7, 9],
+            )
+            assert r.status_code == 200, r.text
+            sent = engine.requests[-1].sampling
+            assert (sent["temperature"], sent["top_p"], sent["min_p"]) == (0.25, 0.5, 0.125)
+            assert sent["top_k"] == 20
+            assert (sent["repetition_penalty"], sent["n"], sent["max_new_tokens"]) == (1.5, 2, 64)
+            assert set(sent["stop_token_ids"]) == {7, 9, 200002, 200012}
+
+            r = await chat(http)
+            assert r.status_code == 200, r.text
+            sent = engine.requests[-1].sampling
+            prompt = len(engine.requests[-1].input_ids)
+            # proto3 leaves zeros off the wire, so an absent min_p is the explicit 0.
+            assert (sent["temperature"], sent["top_p"], sent["top_k"], sent.get("min_p", 0)) == (1, 1, -1, 0)
+            assert (sent["repetition_penalty"], sent["n"]) == (1, 1)
+            assert sent["max_new_tokens"] == 131072 - prompt
+            assert sent["stop_token_ids"] == [200002, 200012]

@@ -91,3 +91,19 @@ async def test_worker_api_requires_a_key_when_keys_are_configured() -> None:
             assert (await http.get("/workers", headers=auth)).status_code == 200
             assert (await http.delete("/workers/nope", headers=auth)).status_code == 404
             assert (await http.get("/metrics")).status_code == 200  # scrapes need no key
+
+
+async def test_worker_changes_are_refused_when_several_processes_serve() -> None:
+    async with sims(SimConfig(), SimConfig()) as (first, second):
+        settings = gateway_settings(worker_urls=(first.url,), processes=4, **FAST)
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            (listed,) = (await http.get("/workers")).json()["data"]
+            for r in (
+                await http.post("/workers", json={"url": second.url, "kind": "regular"}),
+                await http.delete(f"/workers/{listed['id']}"),
+            ):
+                assert r.status_code == 409, r.text
+                error = r.json()["error"]
+                assert "--workers 4" in error["message"] and error["code"] == "workers_fixed"
+            assert [w["url"] for w in (await http.get("/workers")).json()["data"]] == [first.url]
+            assert (await chat(http)).status_code == 200

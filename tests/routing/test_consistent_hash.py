@@ -72,3 +72,14 @@ def test_without_a_key_goes_to_the_least_loaded() -> None:
     policy = ConsistentHashPolicy(seed=1)
     workers = [make_worker("a", in_flight=4), make_worker("b", in_flight=1), make_worker("c", in_flight=3)]
     assert {policy.select(workers, keyed(None)).id for _ in range(50)} == {"b"}
+
+
+def test_placement_follows_worker_urls_not_process_local_ids() -> None:
+    # Another process (or this one after a restart) numbers its workers differently; the URLs stay.
+    here = make_workers(4)
+    there = [make_worker(f"w{i}") for i in range(4)]
+    for worker, other_id in zip(there, ("x9", "x3", "x7", "x1"), strict=True):
+        worker.id = other_id
+    policy_here, policy_there = ConsistentHashPolicy(), ConsistentHashPolicy()
+    here_urls = {k: policy_here.select(here, keyed(k)).url for k in KEYS}
+    assert {k: policy_there.select(there, keyed(k)).url for k in KEYS} == here_urls

@@ -2,8 +2,10 @@
 
 `POST /workers` registers a worker and probes it (model info, health) before answering, so the worker takes
 traffic as soon as the 201 arrives if it was healthy; an unreachable worker is still registered (healthy
-false) and the health checker keeps probing it. The worker endpoints require an API key when keys are
-configured; `/metrics` is open, for Prometheus.
+false) and the health checker keeps probing it. Under `serve --workers N` (N > 1) each process holds its
+own worker set, so `POST` and `DELETE` answer 409: a change would reach only the process that took the
+call. The worker endpoints require an API key when keys are configured; `/metrics` is open, for
+Prometheus.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..errors import InvalidRequest
+from ..errors import Conflict, InvalidRequest
+from ..pipeline.context import GatewayState
 from ..routing.workers import WorkerKind
 from .routes import gateway, json_body, json_response, owner_of
 
@@ -27,6 +30,17 @@ def _field(body: dict[str, Any], name: str, default: str | None = None) -> str |
     if value is not None and not isinstance(value, str):
         raise InvalidRequest(f"'{name}' must be a string", param=name)
     return value
+
+
+def _refuse_in_multiprocess_mode(state: GatewayState) -> None:
+    processes = state.settings.processes
+    if processes > 1:
+        raise Conflict(
+            f"the worker set is fixed when the gateway runs as {processes} processes (serve --workers "
+            f"{processes}): a change here would reach only the process that answered; change the "
+            "--worker-url/--prefill/--decode flags and restart instead",
+            code="workers_fixed",
+        )
 
 
 @router.get("/workers")
@@ -43,6 +57,7 @@ async def create_worker(request: Request) -> Response:
 
     state = gateway(request)
     owner_of(state, request)
+    _refuse_in_multiprocess_mode(state)
     body = await json_body(request)
     url = _field(body, "url")
     if not url:
@@ -63,6 +78,7 @@ async def create_worker(request: Request) -> Response:
 async def delete_worker(worker_id: str, request: Request) -> Response:
     state = gateway(request)
     owner_of(state, request)
+    _refuse_in_multiprocess_mode(state)
     worker = await state.fleet.remove(worker_id)
     return json_response({"id": worker.id, "object": "worker", "deleted": True})
 

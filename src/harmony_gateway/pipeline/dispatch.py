@@ -163,8 +163,11 @@ async def dispatch(
                 f"engine at {worker.url} did not finish within {timeouts.total:g} s"
             ) from None
         except UpstreamError as exc:
-            for w in workers:
-                record_failure(w, state.health_config)
+            # A request the engine refused as invalid is the client's fault: a few bad requests must
+            # not open the breaker and make the model unavailable for everyone.
+            if exc.blames_worker:
+                for w in workers:
+                    record_failure(w, state.health_config)
             if yielded or not exc.retryable or attempt >= settings.max_retries:
                 raise
             attempt += 1

@@ -78,6 +78,10 @@ from .text_upstream import require_token_engine
 
 log = logging.getLogger(__name__)
 
+#: Private `StoredResponse.metadata` key: the id of the first response of a `previous_response_id`
+#: chain, inherited by every later one, so the whole chain routes by one key (never sent to clients).
+ROOT_KEY = "_root"
+
 #: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
 CLOSE_TIMEOUT = 5.0
 
@@ -112,6 +116,8 @@ class ResponsePlan:
     incomplete_reason: str | None = None
     #: The Harmony output parser of every iteration, for the Harmony metrics.
     parsers: list[tp.HarmonyOutputParser] = field(default_factory=list)
+    #: The first response of this response's `previous_response_id` chain (its own id if it starts one).
+    chain_root: str | None = None
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""
@@ -274,8 +280,11 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     # History: the previous_response_id chain, or the conversation's items.
     history: list[Msg] = []
     known_items: list[dict[str, Any]] = []
+    chain_root: str | None = None
     if req.previous_response_id:
         chain = await store.load_chain(req.previous_response_id, ctx.owner)
+        # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
+        chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
         for record in chain:
             history.extend(Msg.from_dict(d) for d in record.history)
             known_items.extend(record.input_items)
@@ -378,8 +387,12 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
         # Never derived from x-request-id: a client may reuse one, and a stored response must not be overwritten.
         response_id = new_id("resp")
+        if chain_root is None and req.store and not conversation_id:
+            chain_root = response_id  # a stored response may start a chain: route it as its followers
         if ctx.routing_key is None:
-            ctx.routing_key = conversation_id or req.previous_response_id or req.user
+            # previous_response_id changes every turn; the chain's root does not, so the whole chain
+            # stays on one worker's KV cache (consistent_hash).
+            ctx.routing_key = chain_root or conversation_id or req.user
         envelope = _envelope(req, response_id, int(time.time()), group.name, effort)
         plan = ResponsePlan(
             request=req,
@@ -394,6 +407,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             tools=loop,
             approvals=approvals,
             uses_tools=loop is not None,
+            chain_root=chain_root,
         )
         if not approvals:
             await render_turn(state, plan)  # early: a prompt over the context is a 400, not a stream
@@ -668,7 +682,7 @@ def _observe_iterations(state: GatewayState, plan: ResponsePlan) -> None:
 
 
 def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = False) -> StoredResponse:
-    metadata: dict[str, Any] = {}
+    metadata: dict[str, Any] = {ROOT_KEY: plan.chain_root} if plan.chain_root else {}
     return StoredResponse(
         id=plan.response_id,
         owner=plan.owner,

@@ -65,6 +65,8 @@ async def run_chat(
     # 1) prepare: validate, build the Harmony conversation, render prompt ids
     group = state.fleet.group(request.model)
     ctx.model = group.name
+    if ctx.routing_key is None:
+        ctx.routing_key = request.user  # consistent_hash keeps one user's turns on one KV cache
     prepared = await prepare_chat(state, request, group)
     if prepared.harmony and is_text_group(group):
         attach_harmony_upstream(state, prepared, request)  # an HTTP upstream: Harmony as text

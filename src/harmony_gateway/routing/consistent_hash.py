@@ -1,9 +1,10 @@
 """Consistent hashing: requests with the same routing key stick to one worker.
 
-Keys come from `RoutingRequest.routing_key` (session header, `user`, or conversation id). The ring is
-built over worker ids with virtual nodes, so adding or removing one of N workers moves only about 1/N of
-the keys, and a worker that becomes unavailable hands its keys to the next worker clockwise while every
-other key stays put.
+Keys come from `RoutingRequest.routing_key` (session header, `user`, a Responses chain's root or
+conversation id). The ring is built over worker URLs with virtual nodes: unlike the process-local worker
+ids, a URL names the same engine in every gateway process and after a restart, so all of them map a key
+to the same worker (and its KV cache). Adding or removing one of N workers moves only about 1/N of the keys, and a worker that
+becomes unavailable hands its keys to the next worker clockwise while every other key stays put.
 """
 
 from __future__ import annotations
@@ -30,19 +31,19 @@ def _hash(text: str) -> int:
 class _Ring:
     __slots__ = ("hashes", "owners")
 
-    def __init__(self, worker_ids: Sequence[str], virtual_nodes: int) -> None:
-        points = sorted((_hash(f"{wid}#{i}"), wid) for wid in worker_ids for i in range(virtual_nodes))
+    def __init__(self, worker_urls: Sequence[str], virtual_nodes: int) -> None:
+        points = sorted((_hash(f"{url}#{i}"), url) for url in worker_urls for i in range(virtual_nodes))
         self.hashes = [h for h, _ in points]
-        self.owners = [wid for _, wid in points]
+        self.owners = [url for _, url in points]
 
 
 class ConsistentHashPolicy(RoutingPolicy):
-    """Maps `routing_key` onto a hash ring of worker ids; requests without a key go to the least loaded.
+    """Maps `routing_key` onto a hash ring of worker URLs; requests without a key go to the least loaded.
 
     The ring spans every worker given (available or not) and the lookup walks clockwise to the first
     available one, so health flaps never rebuild the ring nor move keys of healthy workers. Lookup is
     O(log(N * virtual_nodes)) plus the walk past unavailable workers; a ring is built once per distinct
-    set of worker ids. Ties in the keyless fallback are broken at random (`seed` for tests).
+    set of worker URLs (URLs are unique within a pool). Ties in the keyless fallback are broken at random (`seed` for tests).
     """
 
     name = "consistent_hash"
@@ -59,21 +60,21 @@ class ConsistentHashPolicy(RoutingPolicy):
         if request.routing_key is None:
             least = min(w.in_flight for w in candidates)
             return self._rng.choice([w for w in candidates if w.in_flight == least])
-        by_id = {w.id: w for w in candidates}
-        ring = self._ring([w.id for w in workers])
+        by_url = {w.url: w for w in candidates}
+        ring = self._ring([w.url for w in workers])
         start = bisect.bisect_right(ring.hashes, _hash(request.routing_key))
         n = len(ring.owners)
         for offset in range(n):
-            worker = by_id.get(ring.owners[(start + offset) % n])
+            worker = by_url.get(ring.owners[(start + offset) % n])
             if worker is not None:
                 return worker
         raise AssertionError("unreachable: every available worker is on the ring")
 
     def on_worker_removed(self, worker: Worker) -> None:
-        self._rings = {ids: ring for ids, ring in self._rings.items() if worker.id not in ids}
+        self._rings = {urls: ring for urls, ring in self._rings.items() if worker.url not in urls}
 
-    def _ring(self, worker_ids: list[str]) -> _Ring:
-        key = frozenset(worker_ids)
+    def _ring(self, worker_urls: list[str]) -> _Ring:
+        key = frozenset(worker_urls)
         ring = self._rings.get(key)
         if ring is None:
             if len(self._rings) >= _MAX_CACHED_RINGS:

@@ -65,6 +65,13 @@ class SimConfig:
     #: (`script.TextScript`) and `GetTokenizer` streams the folder as a zip.
     tokenizer_path: str | None = None
     replies: tuple[tuple[str, str], ...] = ()
+    #: Whether GetModelInfo names the gpt-oss model type and architecture (None: when `harmony`).
+    #: `harmony=True` with False is a Harmony fine-tune under another name: it needs `--harmony-models`.
+    reports_gpt_oss: bool | None = None
+
+    @property
+    def looks_gpt_oss(self) -> bool:
+        return self.harmony if self.reports_gpt_oss is None else self.reports_gpt_oss
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
