@@ -4,6 +4,7 @@ replay continuing live, another replica polling the store, and cancel ending a l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -192,6 +193,38 @@ async def test_cancel_through_another_replica(slow_gateway: RunningGateway, slow
                 with pytest.raises(openai.BadRequestError):
                     await client.responses.cancel(quick.id)
             assert (await c.responses.retrieve(quick.id)).status == "completed"
+
+
+async def test_a_cancel_stored_first_wins_over_the_completion(client: openai.AsyncOpenAI, gateway) -> None:
+    """A cancel that lands (on another replica) just before the task stores its completion: the
+    completion must not resurrect the response, and the event log ends as the store does."""
+    store = gateway.state.store
+    update = store.update_response_if
+    raced: list[str] = []
+
+    async def cancel_first(record: Any, from_statuses: Any) -> bool:
+        if record.status == "completed" and not raced:
+            raced.append(record.id)
+            cancelled = dataclasses.replace(record, status="cancelled", response=dict(record.response))
+            cancelled.response.update(status="cancelled", completed_at=None)
+            assert await update(cancelled, {"queued", "in_progress"})
+        return await update(record, from_statuses)
+
+    store.update_response_if = cancel_first
+    try:
+        r = await client.responses.create(model=MODEL, input="finish and lose", background=True)
+        await wait_until(lambda: not gateway.state.background.running(r.id), timeout=10)
+    finally:
+        del store.update_response_if
+    assert raced == [r.id]
+    stored = await client.responses.retrieve(r.id)
+    assert stored.status == "cancelled" and stored.output_text  # what it generated, kept
+    events = _dump([e async for e in await client.responses.retrieve(r.id, stream=True)])
+    validate_event_stream(events)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "cancelled"
+    assert not any(e["type"] == "response.completed" for e in events)
+    assert (await client.responses.cancel(r.id)).status == "cancelled"
 
 
 async def test_non_background_responses_are_not_replayable(client: openai.AsyncOpenAI) -> None:
