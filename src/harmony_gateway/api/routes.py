@@ -16,11 +16,15 @@ from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState, RequestContext, new_request_id
 from ..pipeline.run import run_chat
 from .coalesce import coalesce
+from .error_responses import param_from_loc
 from .schemas.chat import ChatCompletionRequest
 
 router = APIRouter()
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+#: Deeper bodies are refused: the gateway stores and echoes what it was sent, and orjson writes at most
+#: 254 levels (openai-harmony gives up on a tool schema at about 120).
+MAX_JSON_DEPTH = 128
 
 
 def gateway(request: Request) -> GatewayState:
@@ -59,7 +63,21 @@ async def json_body(request: Request) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
+    check_depth(data)
     return data
+
+
+def check_depth(data: Any) -> None:
+    """Raises InvalidRequest naming the first value nested deeper than MAX_JSON_DEPTH."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(data, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(
+                f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param=param_from_loc(path)
+            )
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((inner, depth + 1, (*path, key)) for key, inner in items if isinstance(inner, dict | list))
 
 
 def json_response(data: Any, ctx: RequestContext | None = None, status: int = 200) -> Response:

@@ -24,6 +24,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
+from ..errors import InvalidRequest
 from .vocab import VocabularyUnavailable, ensure_vocab_env
 
 if TYPE_CHECKING:
@@ -41,6 +42,8 @@ END_OF_TEXT = 199999
 #: Generation stops on these two only: stopping on <|end|> would cut after the analysis message.
 ASSISTANT_STOP_IDS: tuple[int, ...] = (RETURN, CALL)
 FIRST_SPECIAL_ID = 199998
+#: o200k_harmony ids are 0..201087 (the reserved specials end there); anything else is not a token.
+VOCAB_SIZE = 201088
 
 _lock = threading.Lock()
 
@@ -110,21 +113,50 @@ class PromptRenderer:
         head, tail = self._frame(msg)
         return [*head, *self._encode_text(msg.text), *tail]
 
+    def _key(self, prefix: PromptPrefix) -> Hashable:
+        try:
+            return prefix.key
+        except RecursionError as exc:  # a schema nested deeper than Python recurses: unrenderable too
+            raise self._unrenderable(prefix, exc) from None
+
     def has_prefix(self, prefix: PromptPrefix) -> bool:
-        return prefix.key in self._prefix_cache
+        """Raises InvalidRequest (param `tools[i]`) for a tool openai-harmony cannot render."""
+        return self._key(prefix) in self._prefix_cache
 
     def render_prefix(self, prefix: PromptPrefix) -> list[int]:
-        key = prefix.key
+        """The system+developer tokens; raises InvalidRequest (param `tools[i]`) for a tool
+        openai-harmony cannot render."""
+        key = self._key(prefix)
         cached = self._prefix_cache.get(key)
         if cached is not None:
             with contextlib.suppress(KeyError):  # a render thread may have evicted it since `get`
                 self._prefix_cache.move_to_end(key)
             return cached
-        tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
+        try:
+            tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
+        except (ValueError, RuntimeError) as exc:  # HarmonyError and RecursionError are RuntimeErrors
+            raise self._unrenderable(prefix, exc) from None
         self._prefix_cache[key] = tokens
         if len(self._prefix_cache) > self._cache_size:
             self._prefix_cache.popitem(last=False)
         return tokens
+
+    def _unrenderable(self, prefix: PromptPrefix, exc: Exception) -> InvalidRequest:
+        """openai-harmony refused the system/developer messages: name the tool whose schema it cannot
+        render (e.g. one nested past its recursion limit), found by rendering each tool on its own."""
+        from .messages import developer_message
+
+        for tool in prefix.all_tools():
+            message = developer_message(None, [tool])
+            assert message is not None
+            try:
+                self._encoding.render(message)
+            except (ValueError, RuntimeError) as tool_exc:
+                return InvalidRequest(
+                    f"tool {tool.name!r} cannot be described to the model: {tool_exc}",
+                    param=tool.param or "tools",
+                )
+        return InvalidRequest(f"the request's instructions and tools cannot be rendered: {exc}")
 
     def render_for_completion(self, prefix: PromptPrefix, history: Sequence[Msg]) -> list[int]:
         tokens = list(self.render_prefix(prefix))

@@ -7,7 +7,7 @@ render identical prompts for identical conversations (REFERENCE §2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from openai_harmony import (
@@ -59,6 +59,8 @@ class FunctionTool:
     name: str
     description: str
     parameters: dict[str, Any] | None
+    #: Where the request declared it (`tools[2]`), named by the error if the tool cannot be rendered.
+    param: str | None = field(default=None, compare=False)
 
     def to_description(self) -> ToolDescription:
         return ToolDescription.new(self.name, self.description, self.parameters)
@@ -191,6 +193,9 @@ class PromptPrefix:
             ),
             self.response_format,
         )
+
+    def all_tools(self) -> list[FunctionTool]:
+        return [*self.functions, *(tool for ns in self.namespaces for tool in ns.tools)]
 
     def messages(self) -> list[Message]:
         prefix = [system_message(self.options)]

@@ -298,7 +298,7 @@ def anthropic_tools(request: CountTokensRequest) -> list[FunctionTool]:
                 "declare a custom tool with input_schema",
                 param=f"tools[{i}].type",
             )
-        tools.append(FunctionTool(tool.name, tool.description or "", tool.input_schema))
+        tools.append(FunctionTool(tool.name, tool.description or "", tool.input_schema, f"tools[{i}]"))
     tools = dedupe_function_tools(tools)
     choice = request.tool_choice
     if choice is None:
@@ -808,7 +808,8 @@ def anthropic_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
         status, error_type = _ERROR_TYPES.get(exc.status_code, (exc.status_code, "api_error"))
         if status < 400:
             status = 500
-        message = exc.message if exc.param is None else f"{exc.message} (at {exc.param})"
+        where = f" (at {exc.param})"
+        message = exc.message if exc.param is None or exc.message.endswith(where) else exc.message + where
     else:
         status, error_type, message = 500, "api_error", "internal error"
     return status, {"type": "error", "error": {"type": error_type, "message": message}}

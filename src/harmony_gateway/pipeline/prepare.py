@@ -87,7 +87,7 @@ def chat_function_tools(request: ChatCompletionRequest) -> list[FunctionTool]:
                 param=f"tools[{i}].type",
             )
         fn = tool.function
-        tools.append(FunctionTool(fn.name, fn.description or "", fn.parameters))
+        tools.append(FunctionTool(fn.name, fn.description or "", fn.parameters, f"tools[{i}]"))
     return dedupe_function_tools(tools)
 
 
@@ -175,6 +175,8 @@ def response_format_of(spec: dict[str, Any] | None, *, param: str, nested: bool)
     `text.format` ({type, name, schema, ...}) → the schema to describe and enforce; `text` → None."""
     if spec is None:
         return None
+    if not isinstance(spec, dict):
+        raise InvalidRequest("the response format must be an object", param=param)
     kind = spec.get("type")
     if kind in (None, "text"):
         return None

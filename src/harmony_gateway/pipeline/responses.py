@@ -29,7 +29,7 @@ import anyio
 
 from ..api.schemas.responses import ResponsesRequest
 from ..engines.base import EngineChunk
-from ..errors import GatewayError, InvalidRequest, NotFound
+from ..errors import Conflict, GatewayError, InvalidRequest, NotFound
 from ..harmony import token_parser as tp
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
 from ..harmony.messages import (
@@ -144,8 +144,12 @@ def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]
 
 
 def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") -> list[FunctionTool]:
+    if not isinstance(tools, (list, type(None))):
+        raise InvalidRequest("tools must be a list", param=param)
     out = []
     for i, tool in enumerate(tools or ()):
+        if not isinstance(tool, dict):
+            raise InvalidRequest("tools must be objects", param=f"{param}[{i}]")
         kind = tool.get("type")
         if not isinstance(kind, str):
             raise InvalidRequest("tools need a string 'type'", param=f"{param}[{i}].type")
@@ -165,7 +169,7 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
             raise InvalidRequest(
                 "function parameters must be a JSON schema object", param=f"tools[{i}].parameters"
             )
-        out.append(FunctionTool(name, tool.get("description") or "", params))
+        out.append(FunctionTool(name, tool.get("description") or "", params, f"{param}[{i}]"))
     return dedupe_function_tools(out)
 
 
@@ -283,6 +287,14 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     chain_root: str | None = None
     if req.previous_response_id:
         chain = await store.load_chain(req.previous_response_id, ctx.owner)
+        if chain[-1].status in ("queued", "in_progress"):
+            # Its output is not known yet: continuing now would silently drop it from the history.
+            raise Conflict(
+                f"Previous response with id {req.previous_response_id!r} is still {chain[-1].status}; "
+                "continue from it once it has finished",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
         # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
         for record in chain:
