@@ -77,7 +77,9 @@ def check_depth(data: Any) -> None:
                 f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param=param_from_loc(path)
             )
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((inner, depth + 1, (*path, key)) for key, inner in items if isinstance(inner, dict | list))
+        stack.extend(
+            (inner, depth + 1, (*path, key)) for key, inner in items if isinstance(inner, dict | list)
+        )
 
 
 def json_response(data: Any, ctx: RequestContext | None = None, status: int = 200) -> Response:

@@ -44,10 +44,11 @@ import anyio
 import orjson
 
 from ..api.schemas.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
+from ..api.schemas.limits import INT32_MAX
 from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk, SamplingOptions
 from ..errors import GatewayError, InvalidRequest
-from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
+from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
@@ -188,8 +189,11 @@ def encode_prompt(
     if not isinstance(prompt, str):
         if not prompt:
             raise InvalidRequest("a token prompt must not be empty", param=param)
-        if any(t < 0 for t in prompt):
-            raise InvalidRequest("token ids must be non-negative", param=param)
+        # Other models' engines check their own vocabulary; an id must still fit the engine wire.
+        limit = VOCAB_SIZE if group.harmony else INT32_MAX + 1
+        bad = next((t for t in prompt if not 0 <= t < limit), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0 to {limit - 1})", param=param)
         return prompt
     if not prompt:
         raise InvalidRequest("the prompt must not be empty", param=param)

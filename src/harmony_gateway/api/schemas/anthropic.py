@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .limits import INT32_MAX
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -61,4 +63,4 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .limits import Seed, TokenId, TopK
+
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -63,18 +65,18 @@ class ChatCompletionRequest(_Open):
     stop: str | list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: int | None = None
+    seed: Seed | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     #: Extension: a cap on analysis tokens, after which the gateway moves the model to its final answer.

@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .limits import Seed, TokenCount, TokenId, TopK
+
 #: SGLang's default for `max_new_tokens`; OpenAI's (and vLLM's) for completions `max_tokens`.
 SGLANG_MAX_NEW_TOKENS = 128
 COMPLETIONS_MAX_TOKENS = 16
@@ -19,15 +21,15 @@ class _Open(BaseModel):
 class SglangSamplingParams(_Open):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = Field(default=None, gt=0)
     max_new_tokens: int | None = Field(default=SGLANG_MAX_NEW_TOKENS, ge=0)
-    min_new_tokens: int = Field(default=0, ge=0)
+    min_new_tokens: TokenCount = 0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(default=1, ge=1, le=16)
     ignore_eos: bool = False
     #: Unset: false for Harmony models (raw Harmony text is what RL and evaluation users need), true for
@@ -37,7 +39,7 @@ class SglangSamplingParams(_Open):
     json_schema: str | None = None
     regex: str | None = None
     structural_tag: str | None = None
-    sampling_seed: int | None = None
+    sampling_seed: Seed | None = None
 
 
 class GenerateRequest(_Open):
@@ -62,7 +64,7 @@ class CompletionRequest(_Open):
     max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
+    top_k: TopK | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -74,8 +76,8 @@ class CompletionRequest(_Open):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     suffix: str | None = None
     ignore_eos: bool = False
     #: vLLM extension. Unset: false for Harmony models (the raw Harmony text), true for other models.
