@@ -657,7 +657,7 @@ TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
         "stop_token_ids[0]",
     ),
     ("/v1/chat/completions", {"model": MODEL, "messages": USER, "top_k": 2**40}, 400, "top_k"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": USER, "seed": 2**40}, 400, "seed"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": USER, "seed": 2**70}, 400, "seed"),
     (
         "/v1/chat/completions",
         {

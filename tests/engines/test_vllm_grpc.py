@@ -166,3 +166,13 @@ async def test_auto_detection_waits_for_a_reachable_worker() -> None:
 def test_create_client_rejects_bad_urls_and_engines(url: str, engine: str) -> None:
     with pytest.raises(InvalidRequest):
         create_client(url, engine)
+
+
+@pytest.mark.parametrize(
+    ("seed", "wire"), [(7, 7), (-5, -5), (2**31, -(2**31)), (2**40 + 3, 3), (2**64 - 1, -1)]
+)
+def test_wide_seeds_fold_into_the_int32_wire(seed: int, wire: int) -> None:
+    client = VllmGrpcClient("grpc://127.0.0.1:1")
+    req = request()
+    req.sampling.seed = seed
+    assert client.to_proto(req).sampling_params.seed == wire

@@ -104,7 +104,8 @@ class VllmGrpcClient(GrpcEngineClient):
         if s.max_new_tokens is not None:
             params.max_tokens = s.max_new_tokens
         if s.seed is not None:
-            params.seed = s.seed
+            # The wire carries int32; fold wider client seeds (OpenAI allows 64-bit) deterministically.
+            params.seed = ((s.seed + 2**31) % 2**32) - 2**31
         if request.return_logprob:
             params.logprobs = request.top_logprobs_num
         if s.json_schema is not None:

@@ -1,6 +1,6 @@
-"""Integer ranges the engine wire protocols can carry (uint32 token ids and counts, int32 `top_k` and
-seeds). A request value outside them is a 400 naming the field, never a failure while the engine request
-is built."""
+"""Integer ranges the engine wire protocols can carry (uint32 token ids and counts, int32 `top_k`) and the
+64-bit seeds clients send. A request value outside them is a 400 naming the field, never a failure while
+the engine request is built."""
 
 from __future__ import annotations
 
@@ -14,6 +14,6 @@ INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 #: -1 (or 0) disables top-k.
 TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
-#: vLLM's wire carries an int32 seed.
-Seed = Annotated[int, Field(ge=-(2**31), le=INT32_MAX)]
+#: Any 64-bit seed, as OpenAI accepts; an engine module folds it into the width its wire carries.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TokenCount = Annotated[int, Field(ge=0, le=INT32_MAX)]
