@@ -9,12 +9,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, NotFound
-from ..observability.metrics import finish_request
 from ..pipeline.responses import cancel_response, run_responses
 from ..pipeline.responses_events import stream_stored_events
 from ..pipeline.responses_input import new_id, normalize_items
 from ..storage.base import StoredConversation
-from .routes import gateway, json_body, json_response, new_context, owner_of, run_logged, sse_response
+from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
 from .schemas.responses import (
     ConversationCreate,
     ConversationItemsCreate,
@@ -52,18 +51,9 @@ def _list_body(page: Any) -> dict[str, Any]:
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    state = gateway(request)
-    ctx = new_context(request, "responses", state)
-    body = await json_body(request)
-    if state.settings.log_prompts:
-        ctx.log_extra["instructions"] = body.get("instructions")
-        ctx.log_extra["input"] = body.get("input")
-    req = ResponsesRequest.model_validate(body)
-    result = await run_logged(ctx, run_responses(state, req, ctx))
-    if isinstance(result, dict):
-        finish_request(ctx)
-        return json_response(result, ctx)
-    return sse_response(result, ctx)
+    return await serve_pipeline(
+        request, "responses", ResponsesRequest, run_responses, ("instructions", "input")
+    )
 
 
 def _starting_after(request: Request) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
@@ -112,19 +113,32 @@ async def run_logged(ctx: RequestContext, coro: Any) -> Any:
         raise
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
+async def serve_pipeline(
+    request: Request,
+    route: str,
+    schema: type[BaseModel],
+    run: Callable[[GatewayState, Any, RequestContext], Awaitable[Any]],
+    prompt_fields: tuple[str, ...] = (),
+) -> Response:
+    """The shape every generating route shares: context, body, validation, the pipeline, then a JSON body
+    (a dict or list) or an SSE stream. `prompt_fields` are logged only with --log-prompts."""
     state = gateway(request)
-    ctx = new_context(request, "chat", state)
+    ctx = new_context(request, route, state)
     body = await json_body(request)
     if state.settings.log_prompts:
-        ctx.log_extra["messages"] = body.get("messages")
-    chat_request = ChatCompletionRequest.model_validate(body)
-    result = await run_logged(ctx, run_chat(state, chat_request, ctx))
-    if isinstance(result, dict):
+        for field in prompt_fields:
+            if body.get(field) is not None:
+                ctx.log_extra[field] = body[field]
+    result = await run_logged(ctx, run(state, schema.model_validate(body), ctx))
+    if isinstance(result, (dict, list)):
         finish_request(ctx)
         return json_response(result, ctx)
     return sse_response(result, ctx)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await serve_pipeline(request, "chat", ChatCompletionRequest, run_chat, ("messages",))
 
 
 @router.get("/v1/models")
