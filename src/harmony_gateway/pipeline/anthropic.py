@@ -257,19 +257,19 @@ def _user_message(
         history.append(user(_join(texts)))
 
 
-def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], *, param: str) -> None:
-    if isinstance(content, str):
-        if content:
-            history.append(assistant(content, "final"))
-        return
-    analysis: list[Msg] = []
+def _assistant_blocks(
+    content: list[dict[str, Any]], *, param: str
+) -> tuple[list[str], list[str], list[tuple[str | None, str, str]]]:
+    """An assistant turn's blocks as (thinking texts, answer texts, tool uses as (id, name, arguments
+    JSON)), in order; raises InvalidRequest naming the block."""
+    thinking: list[str] = []
     texts: list[str] = []
-    calls: list[Msg] = []
+    calls: list[tuple[str | None, str, str]] = []
     for j, block in enumerate(content):
         kind = block.get("type")
         if kind == "thinking":
             if block.get("thinking"):
-                analysis.append(assistant(str(block["thinking"]), "analysis"))
+                thinking.append(str(block["thinking"]))
         elif kind == "redacted_thinking":
             continue
         elif kind == "text" and isinstance(block.get("text"), str):
@@ -279,14 +279,24 @@ def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], 
             name = block.get("name")
             if not isinstance(name, str) or not name:
                 raise InvalidRequest("tool_use blocks need a name", param=f"{param}[{j}].name")
-            calls.append(assistant_call("functions." + name, _arguments_json(block.get("input"))))
+            call_id = block.get("id") if isinstance(block.get("id"), str) else None
+            calls.append((call_id, name, _arguments_json(block.get("input"))))
         else:
             raise InvalidRequest(f"unsupported assistant content block type {kind!r}", param=f"{param}[{j}]")
+    return thinking, texts, calls
+
+
+def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], *, param: str) -> None:
+    if isinstance(content, str):
+        if content:
+            history.append(assistant(content, "final"))
+        return
+    thinking, texts, calls = _assistant_blocks(content, param=param)
     # The order the model generates: analysis, preamble, calls (REFERENCE §2.3).
-    history.extend(analysis)
+    history.extend(assistant(text, "analysis") for text in thinking)
     if texts:
         history.append(assistant(_join(texts), "commentary" if calls else "final"))
-    history.extend(calls)
+    history.extend(assistant_call("functions." + name, arguments) for _, name, arguments in calls)
 
 
 def anthropic_tools(request: CountTokensRequest) -> list[FunctionTool]:
@@ -354,35 +364,19 @@ def _chat_user(content: str | list[dict[str, Any]], out: list[dict[str, Any]], *
 def _chat_assistant(content: str | list[dict[str, Any]], *, param: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    thinking: list[str] = []
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        kind = block.get("type")
-        if kind == "thinking":
-            if block.get("thinking"):
-                thinking.append(str(block["thinking"]))
-        elif kind == "redacted_thinking":
-            continue
-        elif kind == "text" and isinstance(block.get("text"), str):
-            if block["text"]:
-                texts.append(block["text"])
-        elif kind == "tool_use":
-            name = block.get("name")
-            if not isinstance(name, str) or not name:
-                raise InvalidRequest("tool_use blocks need a name", param=f"{param}[{j}].name")
-            call_id = block.get("id") if isinstance(block.get("id"), str) else tp.new_call_id()
-            arguments = _arguments_json(block.get("input"))
-            calls.append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            )
-        else:
-            raise InvalidRequest(f"unsupported assistant content block type {kind!r}", param=f"{param}[{j}]")
+    thinking, texts, calls = _assistant_blocks(content, param=param)
     message: dict[str, Any] = {"role": "assistant", "content": _join(texts)}
     if thinking:
         message["reasoning_content"] = "\n".join(thinking)
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = [
+            {
+                "id": call_id or tp.new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for call_id, name, arguments in calls
+        ]
     return message
 
 
