@@ -64,3 +64,23 @@ async def test_close_cancels_the_source_and_waits_for_its_cleanup() -> None:
     assert await anext(stream) == b"x"
     await stream.aclose()
     assert cleaned.is_set()
+
+
+async def test_close_while_the_source_waits_for_room_still_closes_the_source() -> None:
+    """A slow client that leaves while the source is held back (max_pending reached) must still get the
+    source closed, so the engine request is aborted before the close returns."""
+    cleaned = asyncio.Event()
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+        finally:
+            await asyncio.sleep(0.01)  # e.g. the engine abort
+            cleaned.set()
+
+    stream = coalesce(endless(), max_pending=2)
+    assert (await anext(stream)).startswith(b"x")
+    await asyncio.sleep(0.01)  # the source fills the pending pieces and waits for room
+    await stream.aclose()
+    assert cleaned.is_set()

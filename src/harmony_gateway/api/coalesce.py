@@ -4,6 +4,7 @@ becomes one socket write (and one client read) instead of one per token."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
@@ -27,12 +28,15 @@ async def coalesce(stream: AsyncIterator[bytes], max_pending: int = 64) -> Async
     async def pump() -> None:
         nonlocal done
         try:
-            async for piece in stream:
-                pending.append(piece)
-                wake.set()
-                if len(pending) >= max_pending:
-                    room.clear()
-                    await room.wait()
+            # Closed here, not left to the garbage collector: cancelled while it waits for room, the
+            # source sits at a yield and only aclose() runs its cleanup (the engine abort).
+            async with contextlib.aclosing(stream):
+                async for piece in stream:
+                    pending.append(piece)
+                    wake.set()
+                    if len(pending) >= max_pending:
+                        room.clear()
+                        await room.wait()
         finally:
             done = True
             wake.set()
