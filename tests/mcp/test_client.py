@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from harmony_gateway.mcp.client import McpConnection, McpServerUnavailable, McpToolFailed
@@ -9,6 +11,7 @@ from harmony_gateway.mcp.config import McpConfig, ServerConfig
 from harmony_gateway.mcp.pool import McpPool
 from harmony_gateway.settings import Settings
 from tests.mcp.servers import build_docs_server, serve_mcp, stdio_command
+from tests.support.servers import wait_until
 
 
 def new_pool() -> McpPool:
@@ -86,3 +89,20 @@ async def test_stdio_command_that_fails() -> None:
     async with McpPool(config, Settings()) as pool:
         with pytest.raises(McpServerUnavailable):
             await pool.get("nope")
+
+
+async def test_connect_cancelled_during_the_handshake_leaves_no_session() -> None:
+    """A request cancelled while its MCP server is still connecting (the client left) must not leave
+    the connection task holding a session until the app stops."""
+    async with new_pool() as pool, serve_mcp(build_docs_server([])) as running:
+        connection = pool._new(request_server(running.url))
+        opener = asyncio.create_task(connection.open(pool._spawn))
+        await asyncio.sleep(0)  # the connection task is spawned; the handshake is under way
+        opener.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opener
+        try:
+            await wait_until(lambda: connection._done.is_set(), timeout=3)
+        finally:
+            await connection.close()
+        assert not connection.alive

@@ -185,8 +185,13 @@ class McpConnection:
         """Start the connection task and wait for the MCP handshake; raises McpServerUnavailable."""
         attempts = len(self._attempts())
         spawn(self._run)
-        with anyio.move_on_after(self.connect_timeout * attempts + 1.0):
-            await self._ready.wait()
+        try:
+            with anyio.move_on_after(self.connect_timeout * attempts + 1.0):
+                await self._ready.wait()
+        except BaseException:
+            # The caller is gone (cancelled): nobody will close a session that connects after this.
+            await self.close()
+            raise
         if self._session is None:
             error = self._error or f"no MCP handshake within {self.connect_timeout:g} s"
             await self.close()
