@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -41,16 +42,21 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
 async def _first_then_rest(
     stream: AsyncIterator[EngineChunk], first_token_timeout: float, url: str
 ) -> AsyncIterator[EngineChunk]:
-    try:
-        async with asyncio.timeout(first_token_timeout):
-            first = await anext(stream)
-    except StopAsyncIteration:
-        return
-    except TimeoutError:
-        raise UpstreamTimeout(f"engine at {url} sent no output within {first_token_timeout:g} s") from None
-    yield first
-    async for chunk in stream:
-        yield chunk
+    # Closed on every exit: a consumer that stops leaves `stream` at a yield, and only aclose() runs the
+    # engine client's cleanup (cancelling its gRPC call) before the garbage collector gets to it.
+    async with contextlib.aclosing(stream):
+        try:
+            async with asyncio.timeout(first_token_timeout):
+                first = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"engine at {url} sent no output within {first_token_timeout:g} s"
+            ) from None
+        yield first
+        async for chunk in stream:
+            yield chunk
 
 
 async def _drain_prefill(worker: Worker, request: GenerateRequest) -> EngineChunk | None:
@@ -147,7 +153,7 @@ async def dispatch(
                 chunks = _first_then_rest(worker.client.generate(request), timeouts.first_token, worker.url)
             else:
                 chunks = _generate_pd(worker, prefill, request, timeouts.first_token)
-            async with asyncio.timeout(timeouts.total):
+            async with asyncio.timeout(timeouts.total), contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if not yielded:
                         yielded = True
