@@ -125,29 +125,35 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
         gw.store = open_store(
             storage_url, schema=settings.storage_schema, retention_seconds=settings.storage_retention
         )
-        await gw.store.start()
-        log.info("storing responses in %s", storage_url.split("@")[-1])
         gw.background = BackgroundRunner(default_runner_id(settings.port))
-        await fail_interrupted(gw.store, gw.background.runner_id)
-        if not settings.api_keys:
-            log.warning("no API keys configured: the gateway accepts every request")
-        initial = [
-            *((url, WorkerKind.REGULAR) for url in settings.worker_urls),
-            *((url, WorkerKind.PREFILL) for url in settings.prefill_urls),
-            *((url, WorkerKind.DECODE) for url in settings.decode_urls),
-        ]
-        async with anyio.create_task_group() as tg:
-            for url, kind in initial:
-                tg.start_soon(add_worker, gw, url, kind)
-        checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
+        # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
+            await gw.store.start()
+            log.info("storing responses in %s", storage_url.split("@")[-1])
+            await fail_interrupted(gw.store, gw.background.runner_id)
+            if not settings.api_keys:
+                log.warning("no API keys configured: the gateway accepts every request")
+            initial = [
+                *((url, WorkerKind.REGULAR) for url in settings.worker_urls),
+                *((url, WorkerKind.PREFILL) for url in settings.prefill_urls),
+                *((url, WorkerKind.DECODE) for url in settings.decode_urls),
+            ]
+            async with anyio.create_task_group() as tg:
+                for url, kind in initial:
+                    tg.start_soon(add_worker, gw, url, kind)
+            checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
             async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
                 tg.start_soon(checker.run)
                 tg.start_soon(_watch_workers, gw, checker)
                 if settings.storage_retention:
                     tg.start_soon(_purge_expired, gw)
-                yield
+                try:
+                    yield
+                finally:
+                    # Before the MCP pool closes: a background response mid tool call must end as
+                    # cancelled, not run on with a tool error from a connection shut under it.
+                    await gw.background.shutdown()
                 tg.cancel_scope.cancel()
         finally:
             await gw.background.shutdown()
