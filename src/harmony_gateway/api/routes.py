@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
@@ -21,6 +23,7 @@ from .error_responses import param_from_loc
 from .schemas.chat import ChatCompletionRequest
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 #: Deeper bodies are refused: the gateway stores and echoes what it was sent, and orjson writes at most
@@ -96,9 +99,35 @@ async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIte
         finish_request(ctx)
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A stream that closes what its request opened on every exit. Starlette never closes a body
+    iterator that did not start: under an ASGI 2.4 server a client gone before the headers went out
+    makes `send` raise first (uvicorn speaks 2.3, where the body starts and is cancelled), and the
+    engine request would then be aborted only by garbage collection. Here the body and the request's
+    `cleanups` are closed, shielded and bounded, and the request is logged once."""
+
+    def __init__(self, content: AsyncIterator[bytes], ctx: RequestContext, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._ctx = ctx
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                for close in reversed(self._ctx.cleanups):
+                    try:
+                        await close()
+                    except Exception as exc:  # a failed close must not hide the others
+                        log.debug("closing %s failed: %s", close, exc)
+            finish_request(self._ctx)
+
+
 def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> StreamingResponse:
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         _logged(coalesce(stream), ctx),
+        ctx,
         media_type="text/event-stream",
         headers={**SSE_HEADERS, "x-request-id": ctx.request_id},
     )

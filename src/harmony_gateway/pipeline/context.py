@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,9 @@ class RequestContext:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     log_extra: dict[str, Any] = field(default_factory=dict)
+    #: Closers of what the request opened (engine streams, tool connections); the HTTP response runs
+    #: them on every exit, including a client that leaves before the first byte of a stream.
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     #: `GatewayMetrics` of the app (None: no metrics); `observability.metrics.finish_request` records.
     metrics: Any = None
     #: The Harmony output parsers of the request's choices, read once at the end for the Harmony

@@ -774,6 +774,7 @@ async def run_responses(
         ctx.completion_tokens = plan.output_tokens
         await persist(state, plan, body)
         return body
+    ctx.cleanups.append(plan.close_tools)  # also when the stream never starts (client gone early)
     return _stream(state, plan, ctx, builder, opened)
 
 

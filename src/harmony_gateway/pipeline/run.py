@@ -41,6 +41,7 @@ async def _open_stream(
     if prepared.max_reasoning_tokens is not None:
         stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
     chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
+    ctx.cleanups.append(chunks.aclose)  # idempotent; aborts the engine request if nothing else did
     return await await_first_chunk(chunks)
 
 
