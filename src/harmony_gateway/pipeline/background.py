@@ -105,7 +105,8 @@ class BackgroundRunner:
         task = self._tasks.get(response_id)
         if task is None:
             return False
-        task.cancel()
+        if not task.cancelling():
+            task.cancel()
         await asyncio.wait({task}, timeout=10)
         return True
 
@@ -128,8 +129,9 @@ async def watch_for_cancel(store: Any, response_id: str, task: asyncio.Task[None
             log.warning("cancel watcher of %s could not read its status: %s", response_id, exc)
             continue
         if status == "cancelled":
-            log.info("background response %s was cancelled elsewhere; stopping it", response_id)
-            task.cancel()
+            if not task.cancelling():  # cancelled here already: a second cancel could cut its clean-up
+                log.info("background response %s was cancelled elsewhere; stopping it", response_id)
+                task.cancel()
             return
         if status is None or status not in ACTIVE_STATUSES:
             return
