@@ -153,21 +153,26 @@ async def dispatch(
                 chunks = _first_then_rest(worker.client.generate(request), timeouts.first_token, worker.url)
             else:
                 chunks = _generate_pd(worker, prefill, request, timeouts.first_token)
-            async with asyncio.timeout(timeouts.total), contextlib.aclosing(chunks):
+            # The total deadline is on the engine call itself (the gRPC deadline, httpx's read timeout);
+            # here it is only checked per chunk, for an engine that trickles. A timeout scope around the
+            # `yield` would cancel whatever the consumer awaits meanwhile (a socket write) and surface as
+            # a bare CancelledError instead of UpstreamTimeout.
+            deadline = time.monotonic() + timeouts.total
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if not yielded:
                         yielded = True
                         if ctx.first_token_at is None:
                             ctx.first_token_at = time.perf_counter()
+                    elif time.monotonic() > deadline:
+                        raise UpstreamTimeout(
+                            f"engine at {worker.url} did not finish within {timeouts.total:g} s"
+                        )
                     yield chunk
             finished = True
             for w in workers:
                 record_success(w)
             return
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"engine at {worker.url} did not finish within {timeouts.total:g} s"
-            ) from None
         except UpstreamError as exc:
             # A request the engine refused as invalid is the client's fault: a few bad requests must
             # not open the breaker and make the model unavailable for everyone.
