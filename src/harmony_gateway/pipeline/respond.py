@@ -70,7 +70,15 @@ class ChatStreamWriter:
                 if kind == CONTENT:
                     out.append(self._choice(index, b'"content":' + value))
                 else:
-                    out.append(self._choice(index, b",".join(k + value for k in self._reasoning_keys)))
+                    # The common case is one reasoning key (`--reasoning-fields`) and one run of
+                    # reasoning per upstream read: no generator, no list to join.
+                    keys = self._reasoning_keys
+                    chunk = self._choice(
+                        index, keys[0] + value if len(keys) == 1 else b",".join([k + value for k in keys])
+                    )
+                    if j == n and not out:
+                        return chunk
+                    out.append(chunk)
                 i = j
             elif kind == TOOL_OPEN:
                 _, call_index, call_id, name = deltas[i]

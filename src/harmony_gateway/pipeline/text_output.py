@@ -171,14 +171,19 @@ class TextChoiceOutput:
                 events: list[TextEvent] = [ContentDelta(text)]
             else:
                 events = parse(text)
-                if len(events) == 1 and type(events[0]) is ReasoningDelta:
-                    piece = events[0].text
-                    self.reasoning_parts.append(piece)
-                    return [(REASONING_TEXT, piece)] if self.include_reasoning else []
-                if self._plain and len(events) == 1 and type(events[0]) is ContentDelta:
-                    piece = events[0].text
-                    self.content_parts.append(piece)
-                    return [(CONTENT, piece)]
+                if len(events) == 1:
+                    event = events[0]
+                    kind = type(event)
+                    if kind is ReasoningDelta:
+                        piece = event.text  # type: ignore[union-attr]
+                        self.reasoning_parts.append(piece)
+                        return [(REASONING_TEXT, piece)] if self.include_reasoning else []
+                    if kind is ContentDelta and self._plain:
+                        piece = event.text  # type: ignore[union-attr]
+                        self.content_parts.append(piece)
+                        return [(CONTENT, piece)]
+                elif not events:
+                    return []  # text held back (a possible marker), nothing to say yet
             fast: list[tuple[Any, ...]] = []
             self._translate(events, fast)
             return fast
