@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import grpc
 
-from .base import ModelInfo, TokenLogprob
+from .base import ModelInfo, SamplingOptions, TokenLogprob
 from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
@@ -46,6 +46,17 @@ def token_logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
             top = list(zip(tops[i].token_ids, tops[i].values, strict=False))
         out.append(TokenLogprob(tid, value, top))
     return out[start:]
+
+
+def set_constraint(params: Any, sampling: SamplingOptions) -> None:
+    """Fill the `constraint` oneof both engine protos share: at most one of json_schema, regex or
+    structural_tag, in that order of precedence."""
+    if sampling.json_schema is not None:
+        params.json_schema = sampling.json_schema
+    elif sampling.regex is not None:
+        params.regex = sampling.regex
+    elif sampling.structural_tag is not None:
+        params.structural_tag = sampling.structural_tag
 
 
 class GrpcEngineClient:

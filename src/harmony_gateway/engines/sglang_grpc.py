@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, token_logprobs
+from .grpc_common import GrpcEngineClient, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,7 @@ class SglangGrpcClient(GrpcEngineClient):
             params.max_new_tokens = s.max_new_tokens
         if s.stream_interval is not None:
             params.stream_interval = s.stream_interval
-        if s.json_schema is not None:
-            params.json_schema = s.json_schema
-        elif s.regex is not None:
-            params.regex = s.regex
-        elif s.structural_tag is not None:
-            params.structural_tag = s.structural_tag
+        set_constraint(params, s)
         message = pb.GenerateRequest(
             request_id=request.request_id,
             tokenized=pb.TokenizedInput(original_text=request.original_text, input_ids=request.input_ids),

@@ -29,7 +29,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from .base import BootstrapInfo, EngineChunk, GenerateRequest
-from .grpc_common import GrpcEngineClient, token_logprobs
+from .grpc_common import GrpcEngineClient, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 #: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
@@ -108,12 +108,7 @@ class VllmGrpcClient(GrpcEngineClient):
             params.seed = ((s.seed + 2**31) % 2**32) - 2**31
         if request.return_logprob:
             params.logprobs = request.top_logprobs_num
-        if s.json_schema is not None:
-            params.json_schema = s.json_schema
-        elif s.regex is not None:
-            params.regex = s.regex
-        elif s.structural_tag is not None:
-            params.structural_tag = s.structural_tag
+        set_constraint(params, s)
         message = pb.GenerateRequest(
             request_id=request.request_id,
             tokenized=pb.TokenizedInput(original_text=request.original_text, input_ids=request.input_ids),
