@@ -47,6 +47,11 @@ def summarize(
             merged.append((etype, msg, text))
     index = {id(m): i for i, m in enumerate(parser.messages)}
     flat = [(etype, index.get(id(msg)), text) for etype, msg, text in merged]
+    return (flat, *parser_state(parser))
+
+
+def parser_state(parser: tp.HarmonyOutputParser) -> tuple[list[Any], tuple[Any, ...]]:
+    """Everything a parser exposes after parsing: its messages and its counters."""
     messages = [
         (m.kind, m.channel, m.recipient, m.name, m.content_type, m.text, m.terminated, m.terminator)
         + (m.call_index, m.tokens)
@@ -62,7 +67,7 @@ def summarize(
         parser.open_message is None,
         parser.in_message,
     )
-    return flat, messages, counts
+    return messages, counts
 
 
 def run(tokens: list[int], stop: int | None, *, fast: bool) -> Any:

@@ -19,7 +19,7 @@ from harmony_gateway.harmony.encoding import ASSISTANT_STOP_IDS, CALL, END, RETU
 from harmony_gateway.pipeline.parse_output import TOOL_OPEN, ChoiceOutput
 
 from .test_token_parser import SPECIAL_IDS, ids, ordinary, outputs
-from .test_token_parser_fast_path import canonical_outputs, stop_tokens
+from .test_token_parser_fast_path import canonical_outputs, parser_state, stop_tokens
 
 _props = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -62,23 +62,8 @@ def _events(parser: tp.HarmonyOutputParser, events: list[tp.Event]) -> list[Any]
 
 
 def _state(parser: tp.HarmonyOutputParser) -> tuple[Any, ...]:
-    messages = [
-        (m.kind, m.channel, m.recipient, m.name, m.content_type, m.text, m.terminated, m.terminator)
-        + (m.call_index, m.tokens)
-        for m in parser.messages
-    ]
-    counts = (
-        parser.calls,
-        parser.reasoning_tokens,
-        parser.output_tokens,
-        parser.ignored_tokens,
-        parser.halted,
-        parser.parse_error,
-        parser.open_message is None,
-        parser.in_message,
-        parser.fresh,
-    )
-    return messages, counts
+    messages, counts = parser_state(parser)
+    return messages, (*counts, parser.fresh)
 
 
 def run_parser(chunks: list[list[int]], stop: int | None, *, fast: bool) -> list[Any]:
