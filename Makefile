@@ -29,11 +29,13 @@ demo: $(STAMP)
 
 test: $(STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks

@@ -476,11 +476,11 @@ async def _serve(settings: Settings, demo: bool) -> None:
         log_config=None,
     )
     server = uvicorn.Server(config)
-    if demo:
+    if sim is not None:  # demo mode
         print(
             DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
             flush=True,
-        )  # type: ignore[union-attr]
+        )
     try:
         await server.serve()
     finally:

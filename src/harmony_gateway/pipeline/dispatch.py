@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 
@@ -40,8 +40,8 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
 
 
 async def _first_then_rest(
-    stream: AsyncIterator[EngineChunk], first_token_timeout: float, url: str
-) -> AsyncIterator[EngineChunk]:
+    stream: AsyncGenerator[EngineChunk, None], first_token_timeout: float, url: str
+) -> AsyncGenerator[EngineChunk, None]:
     # Closed on every exit: a consumer that stops leaves `stream` at a yield, and only aclose() runs the
     # engine client's cleanup (cancelling its gRPC call) before the garbage collector gets to it.
     async with contextlib.aclosing(stream):
@@ -68,7 +68,7 @@ async def _drain_prefill(worker: Worker, request: GenerateRequest) -> EngineChun
 
 async def _generate_pd(
     decode: Worker, prefill: Worker, request: GenerateRequest, timeout: float
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     consumer = asyncio.current_task()
     prefill_task = asyncio.create_task(_drain_prefill(prefill, request))
 
@@ -116,7 +116,7 @@ async def dispatch(
     stream: bool,
     input_ids: list[int] | None = None,
     pinned: Worker | None = None,
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     """Stream engine chunks for a prepared request. `pinned` keeps a tool loop on one worker while it
     stays available (its prefix cache holds the conversation)."""
     settings = state.settings
