@@ -145,6 +145,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
             async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
                 tg.start_soon(checker.run)
+                if settings.stream_interval == 0:
+                    tg.start_soon(gw.stream_tuner.run)
                 tg.start_soon(_watch_workers, gw, checker)
                 if settings.storage_retention:
                     tg.start_soon(_purge_expired, gw)

@@ -59,13 +59,13 @@ def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def _stream_interval(value: str | None) -> int | None:
-    if value is None:
+def _stream_interval(value: str) -> int | None:
+    if value == "engine":
         return None
     if value == "auto":
         return 0
     if not value.isdigit() or int(value) < 1:
-        raise SystemExit(f"--stream-interval expects a positive number or 'auto', got {value!r}")
+        raise SystemExit(f"--stream-interval expects a positive number, 'auto' or 'engine', got {value!r}")
     return int(value)
 
 
@@ -235,10 +235,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-interval",
-        default=None,
-        metavar="N|auto",
+        default="auto",
+        metavar="N|auto|engine",
         help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas); "
-        "'auto' grows N with the worker's load",
+        "'auto' (default) sends as many tokens per message as the engine decodes in 10 ms, more while the "
+        "gateway itself is saturated; 'engine' leaves the engine's own setting",
     )
     p.add_argument(
         "--max-retries",

@@ -64,6 +64,9 @@ def _settings(sim: RunningSim, **overrides: Any) -> Any:
         worker_urls=(sim.url,),
         reasoning_parsers={MODEL: "think"},
         tool_call_parsers={MODEL: "json"},
+        # One token per engine message, so multi-byte characters straddle messages and the
+        # incremental detokenizer's boundary handling is what the streams below exercise.
+        stream_interval=1,
         **overrides,
     )
 

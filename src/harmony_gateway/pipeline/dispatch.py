@@ -97,17 +97,6 @@ async def _generate_pd(
             prefill_task.cancel()
 
 
-def adaptive_stream_interval(in_flight: int) -> int:
-    """Tokens per engine message for a stream started on a worker with `in_flight` requests: one while
-    it is lightly loaded (lowest latency), more as load grows, where each gRPC message costs the
-    gateway far more CPU than a token and batching keeps throughput up."""
-    if in_flight < 8:
-        return 1
-    if in_flight < 32:
-        return 2
-    return 4
-
-
 async def dispatch(
     state: GatewayState,
     prepared: PreparedRequest,
@@ -122,6 +111,7 @@ async def dispatch(
     settings = state.settings
     timeouts = settings.timeouts
     metrics = state.metrics
+    tuner = state.stream_tuner
     tried: list[Worker] = []
     attempt = 0
     while True:
@@ -138,9 +128,7 @@ async def dispatch(
             bootstrap=bootstrap,
             input_ids=input_ids,
             stream_interval=(
-                adaptive_stream_interval(worker.in_flight)
-                if settings.stream_interval == 0
-                else settings.stream_interval
+                tuner.interval_for(worker) if settings.stream_interval == 0 else settings.stream_interval
             ),
         )
         yielded = False
@@ -158,16 +146,21 @@ async def dispatch(
             # `yield` would cancel whatever the consumer awaits meanwhile (a socket write) and surface as
             # a bare CancelledError instead of UpstreamTimeout.
             deadline = time.monotonic() + timeouts.total
+            previous = 0.0
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    now = time.monotonic()
                     if not yielded:
                         yielded = True
                         if ctx.first_token_at is None:
                             ctx.first_token_at = time.perf_counter()
-                    elif time.monotonic() > deadline:
+                    elif now > deadline:
                         raise UpstreamTimeout(
                             f"engine at {worker.url} did not finish within {timeouts.total:g} s"
                         )
+                    elif stream:
+                        tuner.observe(worker, now - previous, len(chunk.token_ids))
+                    previous = now
                     yield chunk
             finished = True
             for w in workers:
