@@ -31,6 +31,7 @@ from ..harmony.text_events import (
     ToolCallStart,
 )
 from ..harmony.text_parser import HarmonyTextParser
+from ..routing.fleet import ModelGroup
 from .anthropic import prepare_messages, resolve_group
 from .context import GatewayState, PreparedRequest, RequestContext
 from .prepare import prepare_chat
@@ -412,3 +413,42 @@ def _parse_stripped(text: str) -> dict[str, Any]:
         "recoveries": recoveries,
         "terminated": terminated,
     }
+
+
+# -- offline (the `render` command) --------------------------------------------------------------------
+async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
+    """`render_request` without a running gateway or engine: the request's model is taken as a Harmony
+    model with no workers (routing names none) and an unknown context length; stored responses and
+    conversations are not available. MCP servers named in `tools` are contacted to list their tools."""
+    from ..app import build_state
+    from ..engines.base import ModelInfo
+    from ..mcp.pool import open_mcp_pool
+    from ..routing.registry import create_policy
+    from ..storage import open_store
+
+    if not isinstance(payload, dict):
+        raise InvalidRequest('the file must hold a JSON object: {"api": ..., "request": {...}}')
+    request = payload.get("request")
+    model = request.get("model") if isinstance(request, dict) else None
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("the request must name its model", param="request.model")
+    state = build_state(settings)
+    policy = settings.model_policies.get(model, settings.policy)
+    state.fleet.groups[model] = ModelGroup(
+        name=model,
+        harmony=True,
+        info=ModelInfo(served_model_name=model),
+        policy=create_policy(policy, **settings.policy_options(policy)),
+        prefill_policy=None,
+        decode_policy=None,
+    )
+    state.store = open_store("memory://")
+    await state.store.start()
+    try:
+        async with open_mcp_pool(settings) as state.mcp:
+            ctx = RequestContext(request_id="render", route="harmony_render")
+            result = await render_request(state, payload.get("api"), request, ctx)
+    finally:
+        await state.store.close()
+    result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")
+    return result
