@@ -467,6 +467,8 @@ def add_render_arguments(p: argparse.ArgumentParser) -> None:
 
 
 DEMO_TEXT = """
+Playground: http://{host}:{port}/   (open it in a browser)
+
 harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engine {sim}
 
   curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' \\
@@ -479,6 +481,8 @@ harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engin
   print("reasoning:", r.choices[0].message.reasoning_content)
   print("answer:   ", r.choices[0].message.content)
   PY
+
+  harmony-gateway render request.json   # the exact Harmony prompt a saved request would send
 
 Press Ctrl+C to stop.
 """
