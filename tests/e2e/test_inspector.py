@@ -270,6 +270,23 @@ async def test_render_of_a_chained_response_uses_the_stored_history(
     assert sim.requests[before].input_ids == expected
 
 
+async def test_bodies_get_the_same_checks_as_every_route(http: httpx.AsyncClient) -> None:
+    deep: dict[str, Any] = {}
+    for _ in range(140):
+        deep = {"x": deep}
+    for path, body in (
+        ("/v1/harmony/render", {"api": "chat", "request": deep}),
+        ("/v1/harmony/parse", {"text": "x", "extra": deep}),
+    ):
+        response = await http.post(path, json=body)
+        assert response.status_code == 400
+        assert "nests deeper" in response.json()["error"]["message"]
+    not_json = await http.post(
+        "/v1/harmony/render", content=b"{", headers={"content-type": "application/json"}
+    )
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.parametrize(
     ("payload", "param"),
     [

@@ -11,6 +11,8 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest
 from openai_harmony import Conversation, Message, ReasoningEffort, Role, SystemContent
 from playwright.async_api import Browser, Locator, Page, async_playwright, expect
@@ -18,6 +20,7 @@ from playwright.async_api import Browser, Locator, Page, async_playwright, expec
 from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
+from tests.mcp.servers import build_docs_server, serve_mcp
 from tests.support.servers import TEST_DATE, RunningGateway, running_gateway, test_settings
 
 CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -221,3 +224,68 @@ async def test_show_prompt_token_ids_are_openai_harmonys_rendering(
     await expect(prompt).to_contain_text("round_robin would pick")
     await page.keyboard.press("Escape")
     await expect(prompt).to_be_hidden()
+
+
+async def test_a_mid_stream_error_is_a_readable_message(
+    page: Page, open_gateway: RunningGateway, paced_sim: RunningSim
+) -> None:
+    await open_playground(page, open_gateway)
+    paced_sim.fail_next(grpc.StatusCode.INTERNAL, after_tokens=4)
+    message = page.get_by_role("textbox", name="Message")
+    await message.fill("This turn breaks")
+    await message.press("Enter")
+    alert = page.get_by_role("alert")
+    await expect(alert).to_contain_text("Stream error:")
+    await expect(page.get_by_role("status", name="Turn status")).to_have_text("Failed")
+    # What arrived before the error stays; the answer pane says why it is empty.
+    await expect(region(page, "Reasoning")).not_to_be_empty()
+    await expect(region(page, "Answer")).to_contain_text("No answer: Stream error:")
+
+
+async def test_mcp_calls_show_their_output(page: Page, paced_sim: RunningSim) -> None:
+    async with (
+        serve_mcp(build_docs_server([])) as docs,
+        running_gateway(test_settings(worker_urls=(paced_sim.url,), mcp_allow_hosts=("127.0.0.1",))) as gw,
+    ):
+        await open_playground(page, gw)
+        await page.get_by_label("API", exact=True).select_option("responses")
+        server = {"type": "mcp", "server_label": "docs", "server_url": docs.url, "require_approval": "never"}
+        await page.get_by_label("Tools editor (JSON)").fill(json.dumps([server]))
+        await page.get_by_role("textbox", name="Message").fill("Please search_docs for harmony")
+        await page.get_by_role("textbox", name="Message").press("Enter")
+        calls = region(page, "Tool calls")
+        await expect(calls).to_contain_text("MCP docs: list tools")
+        await expect(calls).to_contain_text("MCP docs.search_docs")
+        await expect(calls).to_contain_text('{"query":"harmony"}')
+        await expect(calls).to_contain_text("→ Docs result for harmony: the answer is 42.")
+        await expect(region(page, "Answer")).to_contain_text("Docs result for harmony", timeout=20_000)
+        await expect(page.get_by_role("status", name="Turn status")).to_have_text("Done (completed)")
+
+
+async def test_open_a_stored_response_and_continue_it(
+    page: Page, open_gateway: RunningGateway, paced_sim: RunningSim
+) -> None:
+    async with httpx.AsyncClient(base_url=open_gateway.url, timeout=30) as http:
+        stored = await http.post("/v1/responses", json={"model": MODEL, "input": "Remember the word kiwi"})
+    first = stored.json()["id"]
+    await open_playground(page, open_gateway)
+    await page.get_by_label("Response id", exact=True).fill(first)
+    await page.get_by_label("Response id", exact=True).press("Enter")
+    transcript = page.get_by_role("log", name="Conversation")
+    await expect(transcript).to_contain_text("Remember the word kiwi")
+    await expect(transcript).to_contain_text('You said: "Remember the word kiwi"')
+    await expect(page.get_by_label("API", exact=True)).to_have_value("responses")
+    await page.get_by_role("textbox", name="Message").fill("Which word was it?")
+    await page.get_by_role("textbox", name="Message").press("Enter")
+    await expect(page.get_by_role("status", name="Turn status")).to_have_text(
+        "Done (completed)", timeout=20_000
+    )
+    latest = await page.get_by_label("Last response id").text_content()
+    assert latest and latest != first
+    async with httpx.AsyncClient(base_url=open_gateway.url, timeout=30) as http:
+        chained = (await http.get(f"/v1/responses/{latest}")).json()
+    assert chained["previous_response_id"] == first
+    prompt = get_encoding().decode(paced_sim.requests[-1].input_ids)
+    assert "Remember the word kiwi" in prompt and prompt.endswith(
+        "<|start|>user<|message|>Which word was it?<|end|><|start|>assistant"
+    )

@@ -10,12 +10,14 @@ a 404 here too.
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import NotFound
 from ..observability.metrics import finish_request
+from ..pipeline.context import GatewayState
 from ..pipeline.inspect import parse_output, render_request
 from .routes import gateway, json_body, json_response, new_context, run_logged
 
@@ -76,5 +78,5 @@ async def harmony_parse(request: Request) -> Response:
     return json_response(result, ctx)
 
 
-async def _parse(state: object, body: dict) -> dict:
-    return parse_output(state, body)  # type: ignore[arg-type]
+async def _parse(state: GatewayState, body: dict[str, Any]) -> dict[str, Any]:
+    return parse_output(state, body)

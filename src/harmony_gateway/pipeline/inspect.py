@@ -75,6 +75,11 @@ async def _prepare_responses(
     a 404) and lists MCP tools; the connections it opens are closed before returning."""
     plan = await prepare_responses(state, request, ctx)
     try:
+        if plan.chain_root == plan.response_id:
+            notes.append(
+                "a new stored response is routed by its own id, chosen when it is created: a policy that "
+                "uses the routing key (consistent_hash) may pick another worker than shown"
+            )
         if plan.approvals:
             # The real path runs approved MCP calls before rendering; the inspector runs no tools.
             notes.append("approved MCP calls are not run by the inspector: their results render empty")

@@ -369,6 +369,8 @@ async function readResponses(response, turn) {
       append(el.answer, data.delta);
     } else if (type === "response.output_item.added") {
       const item = data.item;
+      // Each model turn of a tool loop reasons anew: keep its reasoning apart from the previous one.
+      if (item.type === "reasoning" && el.reasoning.textContent) append(el.reasoning, "\n\n");
       if (item.type === "function_call") cards.set(item.id, toolCard(`function ${item.name}`));
       else if (item.type === "mcp_call") cards.set(item.id, toolCard(`MCP ${item.server_label}.${item.name}`));
       else if (item.type === "mcp_list_tools") cards.set(item.id, toolCard(`MCP ${item.server_label}: list tools`));
