@@ -21,7 +21,7 @@ from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.mcp.servers import build_docs_server, serve_mcp
-from tests.support.servers import TEST_DATE, RunningGateway, running_gateway, test_settings
+from tests.support.servers import TEST_DATE, RunningGateway, running_gateway, test_settings, wait_until
 
 CHROMIUM = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "playground"
@@ -289,3 +289,19 @@ async def test_open_a_stored_response_and_continue_it(
     assert "Remember the word kiwi" in prompt and prompt.endswith(
         "<|start|>user<|message|>Which word was it?<|end|><|start|>assistant"
     )
+
+
+async def test_no_healthy_worker_is_a_readable_503(page: Page) -> None:
+    async with (
+        await start_sim_engine(SimConfig(port=0, model=MODEL)) as engine,
+        running_gateway(test_settings(worker_urls=(engine.url,), health_failure_threshold=1)) as gw,
+    ):
+        await open_playground(page, gw)
+        await engine.set_healthy(False)
+        worker = gw.state.fleet.all_workers()[0]
+        await wait_until(lambda: not worker.healthy)
+        await page.get_by_role("textbox", name="Message").fill("Anyone there?")
+        await page.get_by_role("textbox", name="Message").press("Enter")
+        await expect(page.get_by_role("alert")).to_contain_text("503:")
+        await expect(page.get_by_role("alert")).to_contain_text("No engine is available")
+        await expect(region(page, "Answer")).to_contain_text("No answer: 503")
