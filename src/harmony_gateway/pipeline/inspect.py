@@ -120,15 +120,12 @@ def describe(
         body["tokens"] = token_pieces(ids)
         body["messages"] = split_messages(state, ids)
     else:
+        # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by
+        # the prepare stage); there are no Harmony messages to list.
         tokenizer = state.tokenizers.get(prepared.group.name)
-        text = prepared.original_text
-        if tokenizer is not None and hasattr(tokenizer, "decode"):
-            try:
-                text = tokenizer.decode(ids, skip_special_tokens=False)
-            except TypeError:
-                text = tokenizer.decode(ids)
-        body["prompt_text"] = text
-        body["tokens"] = [[i, None] for i in ids]
+        token_text = getattr(tokenizer, "token_text", None)
+        body["prompt_text"] = prepared.original_text
+        body["tokens"] = [[i, token_text(i) if token_text is not None else None] for i in ids]
         body["messages"] = []
     if prepared.upstream_body is not None:
         notes.append(
