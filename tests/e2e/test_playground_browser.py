@@ -202,7 +202,7 @@ async def test_show_prompt_token_ids_are_openai_harmonys_rendering(
     await page.get_by_role("textbox", name="Message").fill("What is 2+2?")
     await page.get_by_role("textbox", name="Message").press("Enter")
     await expect(page.get_by_role("status", name="Turn status")).to_have_text("Done (stop)", timeout=20_000)
-    await page.get_by_role("button", name="Show prompt").click()
+    await page.get_by_role("button", name="Show prompt", exact=True).click()
     prompt = page.get_by_role("region", name="Prompt")
     await expect(prompt).to_be_visible()
     ids_text = await page.locator("#prompt-ids").text_content()
@@ -222,8 +222,32 @@ async def test_show_prompt_token_ids_are_openai_harmonys_rendering(
     await expect(start).to_have_text("<|start|>")
     await expect(start).to_have_attribute("title", "token 200006")
     await expect(prompt).to_contain_text("round_robin would pick")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    await page.screenshot(path=str(ARTIFACTS / "show-prompt-dialog.png"))
     await page.keyboard.press("Escape")
     await expect(prompt).to_be_hidden()
+
+    # A second turn: each turn in the conversation shows the prompt it was sent.
+    await page.get_by_role("textbox", name="Message").fill("And 3+3?")
+    await page.get_by_role("textbox", name="Message").press("Enter")
+    await expect(page.get_by_role("status", name="Turn status")).to_have_text("Done (stop)", timeout=20_000)
+    answer = 'You said: "What is 2+2?". This is a simulated answer.'
+    second = get_encoding().render_conversation_for_completion(
+        Conversation.from_messages(
+            [
+                *conversation.messages,
+                Message.from_role_and_content(Role.ASSISTANT, answer).with_channel("final"),
+                Message.from_role_and_content(Role.USER, "And 3+3?"),
+            ]
+        ),
+        Role.ASSISTANT,
+    )
+    for button, ids in (("Show prompt of turn 1", expected), ("Show prompt of turn 2", second)):
+        await page.get_by_role("button", name=button).click()
+        await expect(prompt).to_be_visible()
+        await expect(page.locator("#prompt-ids")).to_have_text(", ".join(map(str, ids)))
+        await page.get_by_role("button", name="Close").click()
+        await expect(prompt).to_be_hidden()
 
 
 async def test_a_mid_stream_error_is_a_readable_message(

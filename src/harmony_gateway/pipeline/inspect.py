@@ -20,9 +20,9 @@ from typing import Any
 from ..api.schemas.anthropic import MessagesRequest
 from ..api.schemas.chat import ChatCompletionRequest
 from ..api.schemas.responses import ResponsesRequest
-from ..errors import InvalidRequest, UpstreamBadOutput
+from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
-from ..harmony.encoding import START, VOCAB_SIZE
+from ..harmony.encoding import START, VOCAB_SIZE, is_special
 from ..harmony.text_events import (
     ContentDelta,
     ReasoningDelta,
@@ -117,7 +117,7 @@ def describe(
     }
     if prepared.harmony:
         body["prompt_text"] = state.encoding.decode(ids)
-        body["tokens"] = token_pieces(ids)
+        body["tokens"] = token_pieces(state, ids)
         body["messages"] = split_messages(state, ids)
     else:
         # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by
@@ -168,8 +168,6 @@ def routing_of(prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]
 
 
 def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
-    from ..errors import NoHealthyWorker
-
     worker = None
     peek = getattr(policy, "peek", None)
     if peek is not None:
@@ -189,20 +187,14 @@ def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
     }
 
 
-def token_pieces(ids: list[int]) -> list[list[Any]]:
+def token_pieces(state: GatewayState, ids: list[int]) -> list[list[Any]]:
     """[id, text] per token: special tokens by name, ordinary ones as their bytes (a partial UTF-8
     sequence shows as U+FFFD; the full text is in `prompt_text`)."""
-    encoding_bytes = tp._token_bytes()
-    from ..harmony.encoding import get_encoding
+    import quicktok
 
-    encoding = get_encoding()
-    out: list[list[Any]] = []
-    for i in ids:
-        if i >= tp.FIRST_SPECIAL_ID:
-            out.append([i, encoding.decode([i])])
-        else:
-            out.append([i, encoding_bytes(i).decode("utf-8", "replace")])
-    return out
+    token_bytes = quicktok.get_encoding("o200k_base").decode_single_token_bytes
+    decode = state.encoding.decode
+    return [[i, decode([i]) if is_special(i) else token_bytes(i).decode("utf-8", "replace")] for i in ids]
 
 
 _HEADER = re.compile(r"<\|start\|>(?P<role>[^\s<]+)(?P<rest>.*)", re.DOTALL)

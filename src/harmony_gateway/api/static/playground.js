@@ -36,6 +36,7 @@ const state = {
   messages: [],            // Chat Completions history
   previousResponseId: null, // Responses chaining
   lastRequest: null,        // {api, request} of the latest engine request, for "Show prompt"
+  turns: 0,                 // model turns so far; each transcript entry can show its own prompt
   pendingCalls: [],         // function calls waiting for a result: {id, name, arguments}
   controller: null,
   busy: false,
@@ -147,7 +148,7 @@ function append(pane, text) {
   pane.scrollTop = pane.scrollHeight;
 }
 
-function addTranscript(role, text) {
+function addTranscript(role, text, prompt) {
   const item = document.createElement("li");
   item.className = "turn " + role;
   const who = document.createElement("strong");
@@ -155,6 +156,17 @@ function addTranscript(role, text) {
   const body = document.createElement("p");
   body.textContent = text;
   item.append(who, body);
+  if (prompt) {
+    // Every turn keeps the request it was sent, so its exact prompt can be shown later.
+    state.turns += 1;
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "turn-prompt";
+    button.textContent = "Prompt";
+    button.setAttribute("aria-label", `Show prompt of turn ${state.turns}`);
+    button.addEventListener("click", () => showPrompt(prompt));
+    item.append(button);
+  }
   el.transcript.append(item);
   item.scrollIntoView({ block: "nearest" });
 }
@@ -346,7 +358,7 @@ async function readChat(response, turn) {
   if (reasoning) message.reasoning_content = reasoning;
   if (calls.length) message.tool_calls = calls.map((c) => ({ id: c.id, type: "function", function: { name: c.name, arguments: c.arguments } }));
   state.messages.push(message);
-  if (content) addTranscript("assistant", content);
+  addTranscript("assistant", content || callSummary(calls), state.lastRequest);
   state.pendingCalls = calls.filter(Boolean).map((c) => ({ ...c }));
   return {};
 }
@@ -413,9 +425,14 @@ async function readResponses(response, turn) {
     }
     showStats(turn);
   }
-  if (text) addTranscript("assistant", text);
+  addTranscript("assistant", text || callSummary(calls), state.lastRequest);
   state.pendingCalls = calls;
   return {};
+}
+
+function callSummary(calls) {
+  const names = calls.filter(Boolean).map((c) => c.name);
+  return names.length ? `(called ${names.join(", ")})` : "(no answer text)";
 }
 
 // -- function results ---------------------------------------------------------------------------------
@@ -523,6 +540,7 @@ function newConversation() {
   state.previousResponseId = null;
   state.pendingCalls = [];
   state.lastRequest = null;
+  state.turns = 0;
   el.previousId.textContent = "none";
   el.transcript.textContent = "";
   el.showPrompt.disabled = true;
@@ -534,11 +552,12 @@ function newConversation() {
 }
 
 // -- "Show prompt" --------------------------------------------------------------------------------------
-async function showPrompt() {
-  if (!state.lastRequest) return;
+async function showPrompt(which) {
+  const target = which && which.api ? which : state.lastRequest;
+  if (!target) return;
   clearError();
   try {
-    const response = await postJSON("/v1/harmony/render", state.lastRequest);
+    const response = await postJSON("/v1/harmony/render", target);
     const shown = await response.json();
     el.promptText.textContent = "";
     const fragment = document.createDocumentFragment();
@@ -639,7 +658,7 @@ function init() {
   });
   el.stop.addEventListener("click", () => state.controller && state.controller.abort());
   el.newChat.addEventListener("click", newConversation);
-  el.showPrompt.addEventListener("click", showPrompt);
+  el.showPrompt.addEventListener("click", () => showPrompt());
   el.closePrompt.addEventListener("click", () => el.promptDialog.close());
   el.toolResults.addEventListener("submit", sendResults);
   el.openStored.addEventListener("submit", openStored);
