@@ -397,3 +397,26 @@ async def test_keys_are_required_and_stored_responses_stay_with_their_key(sim: R
         assert mine.status_code == 200 and "secret" in mine.json()["prompt_text"]
         theirs = await http.post("/v1/harmony/render", json=in_conversation, headers=b)
         assert theirs.status_code == 404 and "secret" not in theirs.text
+
+
+async def test_cache_aware_routing_is_explained_without_being_recorded(sim: RunningSim) -> None:
+    settings = test_settings(worker_urls=(sim.url,), policy="cache_aware")
+    async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Cache me if you can"}]}
+        render = {"api": "chat", "request": body}
+        for _ in range(2):  # asking twice records nothing
+            shown = (await http.post("/v1/harmony/render", json=render)).json()
+            assert shown["routing"]["policy"] == "cache_aware"
+            assert shown["routing"]["cache_match_tokens"] == 0
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        after = (await http.post("/v1/harmony/render", json=render)).json()
+        assert after["routing"]["cache_match_tokens"] == after["token_count"]
+        longer = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Hi"}]}
+        longer["messages"].append({"role": "user", "content": "again"})
+        extended = (await http.post("/v1/harmony/render", json={"api": "chat", "request": longer})).json()
+        shared = 0
+        for a, b in zip(after["token_ids"], extended["token_ids"], strict=False):
+            if a != b:
+                break
+            shared += 1
+        assert extended["routing"]["cache_match_tokens"] == shared
