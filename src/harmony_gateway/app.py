@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
+from .api.inspector import router as inspector_router
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router
@@ -173,4 +174,5 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.include_router(workers_router)
     app.include_router(anthropic_router)
     app.include_router(generate_router)
+    app.include_router(inspector_router)
     return app
