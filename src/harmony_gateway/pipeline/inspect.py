@@ -22,7 +22,7 @@ from ..api.schemas.chat import ChatCompletionRequest
 from ..api.schemas.responses import ResponsesRequest
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
-from ..harmony.encoding import START, VOCAB_SIZE, is_special
+from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, is_special
 from ..harmony.text_events import (
     ContentDelta,
     ReasoningDelta,
@@ -282,7 +282,7 @@ _KINDS = {
     tp.TOOL_CALL: "tool_call",
     tp.DROPPED: "dropped",
 }
-_TERMINATOR_NAMES = {tp.END: "<|end|>", tp.CALL: "<|call|>", tp.RETURN: "<|return|>"}
+_TERMINATOR_NAMES = {END: "<|end|>", CALL: "<|call|>", RETURN: "<|return|>"}
 
 
 def _parse_tokens(
