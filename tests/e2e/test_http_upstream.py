@@ -114,10 +114,10 @@ async def test_stripped_special_tokens(http_client: openai.AsyncOpenAI, stream: 
 
 
 @STREAM
-async def test_unknown_channel_is_content(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+async def test_unknown_channel_is_reasoning(http_client: openai.AsyncOpenAI, stream: bool) -> None:
     out = await ask(http_client, "[[unknown]]", stream=stream)
-    assert out["reasoning"] == "Hmm."
-    assert out["content"] == "Odd. Done."
+    assert out["reasoning"] == "Hmm.Odd. "
+    assert out["content"] == "Done."
 
 
 @STREAM
@@ -223,7 +223,7 @@ async def test_metrics_count_text_parser_outcomes(
     assert lines['harmony_channel_messages_total{channel="<unknown>"}'] >= 1
     assert lines['harmony_channel_messages_total{channel="final"}'] >= 1
     assert lines['harmony_marker_fallback_total{fallback="passthrough"}'] >= 1
-    assert lines["harmony_channel_parse_errors_total"] >= 1
+    assert lines['harmony_channel_parse_errors_total{kind="text"}'] >= 1
     assert lines["harmony_reasoning_answer_ratio_count"] >= 3
 
 

@@ -24,6 +24,13 @@ Triggers in the last user message exercise edge cases (`TRIGGERS`):
 closed with `<|end|>` and then `<|return|>` (vllm#50690); `[[refusal]]` a `<|channel|>final` header with no
 `<|message|>` (openai/harmony#80); `[[junk]]` output that is not Harmony at all; `[[two_calls]]` two call
 messages, the first closed with `<|end|>` (calls the first two named tools, or the one named tool twice).
+Malformed shapes real gpt-oss output takes (`MALFORMED_TRIGGERS`; the answer, when there is one, is rule 3's):
+`[[bad_header]]` a message under `<|channel|>––commentary` (openai/harmony#38) before the final;
+`[[unknown_channel]]` a message on an invented `thoughts` channel before the final; `[[doubled_start]]`
+the final opened by `<|start|>assistant<|start|>assistant`; `[[stray_text]]` text between the analysis
+and the final; `[[bare_refusal]]` a refusal with neither channel nor `<|message|>`
+(`<|start|>assistant I'm sorry...`, openai/harmony#80); `[[return_after_analysis]]` the reply ends with
+`<|return|>` right after the analysis (vllm#46464); `[[cut]]` the final without any end token.
 Tool loops (variants of rule 1, after a tool result): `[[sequence]]` calls the next named tool not yet
 called since the last user message (then answers); `[[repeat]]` calls the first named tool again unless the
 last tool output mentions `max_tool_calls` (a model obeying the gateway's limit message); `[[stubborn]]`
@@ -61,7 +68,17 @@ TRIGGERS: tuple[str, ...] = (
     "[[repeat]]",
     "[[stubborn]]",
     "[[bad_json]]",
+    "[[bad_header]]",
+    "[[unknown_channel]]",
+    "[[doubled_start]]",
+    "[[stray_text]]",
+    "[[bare_refusal]]",
+    "[[return_after_analysis]]",
+    "[[cut]]",
 )
+MALFORMED_TRIGGERS: tuple[str, ...] = TRIGGERS[-7:]
+#: Text the malformed shapes put where it is not answer text (never expected in a client's answer field).
+MISPLACED_TEXT = "Hidden notes"
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TERMINATORS = frozenset({END, CALL, RETURN})
 _TOOL_OUTPUT_QUOTE = 200
@@ -499,6 +516,16 @@ class HarmonyScript:
             draft.fixed(_special("<|start|>assistant<|channel|>final " + _REFUSAL_TEXT))
             draft.fixed([RETURN])
             return draft.finish(self._output_tokens)
+        if "[[bare_refusal]]" in triggers:
+            self._analysis(draft, f"The request is not allowed. I must refuse.{suffix}", triggers)
+            draft.fixed(_special("<|start|>assistant " + _REFUSAL_TEXT))
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
+        if "[[return_after_analysis]]" in triggers:
+            draft.fixed(_special("<|channel|>analysis<|message|>"))
+            draft.text(self._encode(f"I will stop here.{suffix}"), _ANALYSIS_FILLER)
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
         called = mentioned_tools(summary.tools, user)
         if called:
             if "[[two_calls]]" in triggers:
@@ -521,6 +548,16 @@ class HarmonyScript:
             draft.fixed(_special("<|start|>assistant<|channel|>commentary<|message|>"))
             draft.fixed(_fixed_text("Let me put the answer together."))
             draft.fixed([END])
+        if "[[bad_header]]" in triggers:
+            draft.fixed(_special("<|start|>assistant<|channel|>––commentary<|message|>"))
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " under a broken header."))
+            draft.fixed([END])
+        if "[[unknown_channel]]" in triggers:
+            draft.fixed(_special("<|start|>assistant<|channel|>thoughts<|message|>"))
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " on an unknown channel."))
+            draft.fixed([END])
+        if "[[stray_text]]" in triggers:
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " between messages."))
         answer = f'You said: "{user[:_ECHO_CHARS]}". This is a simulated answer.{suffix}'
         if "[[unicode]]" in triggers:
             answer = _UNICODE_TEXT + answer
@@ -536,9 +573,12 @@ class HarmonyScript:
         draft.fixed([END])
 
     def _final(self, draft: _Draft, text: str, triggers: frozenset[str]) -> None:
+        if "[[doubled_start]]" in triggers:
+            draft.fixed(_special("<|start|>assistant"))
         draft.fixed(_special("<|start|>assistant<|channel|>final<|message|>"))
         draft.text(self._encode(text), _FINAL_FILLER)
-        draft.fixed([END, RETURN] if "[[trailing]]" in triggers else [RETURN])
+        if "[[cut]]" not in triggers:
+            draft.fixed([END, RETURN] if "[[trailing]]" in triggers else [RETURN])
 
     def _follow_up_tool(self, summary: PromptSummary, user: str, triggers: frozenset[str]) -> ToolSpec | None:
         """The tool to call after a tool result under the tool-loop triggers, or None to answer."""
@@ -577,6 +617,8 @@ class HarmonyScript:
 
 
 __all__ = [
+    "MALFORMED_TRIGGERS",
+    "MISPLACED_TEXT",
     "TRIGGERS",
     "HarmonyScript",
     "PromptSummary",
