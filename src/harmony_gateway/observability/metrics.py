@@ -147,6 +147,12 @@ class GatewayMetrics:
         self.harmony_requests = Counter(
             "harmony_requests_total", "Requests served by a Harmony model", registry=r
         )
+        self.unbacked_tools_dropped = Counter(
+            "gateway_unbacked_tools_dropped_total",
+            "Hosted tools left out of a prompt because nothing on the gateway backs them",
+            ["type"],
+            registry=r,
+        )
         self.harmony_reasoning_budget_exceeded = Counter(
             "harmony_reasoning_budget_exceeded_total",
             "Requests whose analysis hit the reasoning budget and were moved on to the final answer",

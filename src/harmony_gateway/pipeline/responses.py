@@ -57,6 +57,7 @@ from ..storage.base import StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
+from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
     apply_tool_choice,
@@ -150,6 +151,8 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise InvalidRequest("tools must be objects", param=f"{param}[{i}]")
+        if tool is DROPPED_TOOL:
+            continue
         kind = tool.get("type")
         if not isinstance(kind, str):
             raise InvalidRequest("tools need a string 'type'", param=f"{param}[{i}].type")
@@ -268,10 +271,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
     require_token_engine(group, "the Responses API", "use /v1/chat/completions or /v1/messages")
     effort = parse_reasoning_effort(req.reasoning.effort if req.reasoning else None, param="reasoning.effort")
-    requested = parse_gateway_tools(req.tools) if req.tool_choice != "none" else GatewayTools()
-    tools = apply_tool_choice(
-        function_tools(req.tools), function_tool_choice(req.tool_choice, bool(requested))
-    )
+    offered = offered_tools(req.tools, backed_builtins(state.mcp), state.settings.unbacked_tools, ctx.metrics)
+    requested = parse_gateway_tools(offered) if req.tool_choice != "none" else GatewayTools()
+    tools = apply_tool_choice(function_tools(offered), function_tool_choice(req.tool_choice, bool(requested)))
     namespaces = client_namespaces(req.tools) if req.tool_choice != "none" else []
     for spec in requested.mcp:
         if any(ns.name == spec.label for ns in namespaces):
