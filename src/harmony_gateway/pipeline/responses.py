@@ -71,6 +71,7 @@ from .prepare import (
     token_budget,
 )
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
+from .reasoning_store import vault_for, wants_encrypted_reasoning
 from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
@@ -119,6 +120,9 @@ class ResponsePlan:
     parsers: list[tp.HarmonyOutputParser] = field(default_factory=list)
     #: The first response of this response's `previous_response_id` chain (its own id if it starts one).
     chain_root: str | None = None
+    #: With `include: ["reasoning.encrypted_content"]`: seals each reasoning item's text (the builder's
+    #: `seal_reasoning` hook).
+    seal_reasoning: Callable[[str], str] | None = None
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""
@@ -333,12 +337,14 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         placeholders[decision.request_id] = placeholder
         approvals.append((decision, placeholder))
     extra_instructions: list[str] = []
+    vault = await vault_for(state, req.include, items, conversation_items)
     turn = items_to_messages(
         items,
         call_names,
         leading_instructions=extra_instructions,
         resolve_reference=resolve,
         mcp_replay=McpReplay(placeholders),
+        open_reasoning=vault.open if vault is not None else None,
     )
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
 
@@ -422,6 +428,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             approvals=approvals,
             uses_tools=loop is not None,
             chain_root=chain_root,
+            seal_reasoning=vault.seal
+            if vault is not None and wants_encrypted_reasoning(req.include)
+            else None,
         )
         if not approvals:
             await render_turn(state, plan)  # early: a prompt over the context is a 400, not a stream
@@ -752,6 +761,7 @@ async def run_responses(
         if req.background:
             return await start_background(state, plan, ctx)
         builder = ResponseBuilder(plan.envelope, stream=req.stream)
+        builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
         if req.stream:
             builder.start()
         # tool listings, approved calls, then the Harmony prompt
@@ -833,6 +843,7 @@ async def start_background(
     """Store the response as queued, start its task and return at once: the queued Response, or with
     `stream` the live events (the caller is one more subscriber; leaving does not stop the task)."""
     builder = ResponseBuilder(plan.envelope, stream=False, record=True)
+    builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
     feed = EventFeed(plan.response_id, state.store)
     queued = builder.snapshot("queued")
     builder.announce_created("queued")

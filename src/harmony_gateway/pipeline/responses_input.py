@@ -169,9 +169,12 @@ def items_to_messages(
     leading_instructions: list[str] | None = None,
     resolve_reference: Any = None,
     mcp_replay: Any = None,
+    open_reasoning: Any = None,
 ) -> list[Msg]:
     """Map items to Harmony messages. Leading system/developer messages go to `leading_instructions`
-    when that list is given (they become the developer message's instructions)."""
+    when that list is given (they become the developer message's instructions). `open_reasoning(blob,
+    param=...)` decrypts a reasoning item's `encrypted_content` (`reasoning_store.ReasoningVault.open`);
+    without it such items render from their `content`."""
     messages: list[Msg] = []
     leading = leading_instructions is not None
     for i, item in enumerate(items):
@@ -203,6 +206,10 @@ def items_to_messages(
         leading = False
         if kind == "reasoning":
             texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
+            sealed = item.get("encrypted_content")
+            if sealed is not None and open_reasoning is not None:
+                # The sealed text is what the gateway produced; a changed blob is a 400, never ignored.
+                texts = [open_reasoning(sealed, param=f"{where}.encrypted_content")]
             if texts:
                 messages.append(assistant("\n".join(texts), "analysis"))
         elif kind == "function_call":

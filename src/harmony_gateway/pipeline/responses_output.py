@@ -91,6 +91,9 @@ class ResponseBuilder:
         #: Logprob entries of answer tokens not yet reported, by id(msg): they ride on that message's
         #: next `output_text.delta` (a token that ends inside a character has no text of its own).
         self._logprobs: dict[int, list[dict[str, Any]]] = {}
+        #: With `include: ["reasoning.encrypted_content"]`: seals a finished reasoning item's text into its
+        #: `encrypted_content` (`reasoning_store.ReasoningVault.seal`).
+        self.seal_reasoning: Callable[[str], str] | None = None
 
     # -- framing ----------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -304,6 +307,8 @@ class ResponseBuilder:
             )
         elif item["type"] == "reasoning":
             part = item["content"][0]
+            if self.seal_reasoning is not None:
+                item["encrypted_content"] = self.seal_reasoning(part["text"])
             self.emit(
                 {
                     "type": "response.reasoning_text.done",

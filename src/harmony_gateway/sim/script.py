@@ -34,7 +34,8 @@ and the final; `[[bare_refusal]]` a refusal with neither channel nor `<|message|
 Tool loops (variants of rule 1, after a tool result): `[[sequence]]` calls the next named tool not yet
 called since the last user message (then answers); `[[repeat]]` calls the first named tool again unless the
 last tool output mentions `max_tool_calls` (a model obeying the gateway's limit message); `[[stubborn]]`
-calls it again regardless; `[[bad_json]]` writes a call's arguments as invalid JSON. A `## python` section
+calls it again regardless; `[[bad_json]]` writes a call's arguments as invalid JSON; `[[required]]` fills only
+the required parameters (agent tools such as Codex's `exec_command` have optional ones a client acts on). A `## python` section
 of the system message declares the built-in `python` tool, called as `analysis to=python code` with
 `print("WORD")`.
 Choice i > 0 of an n > 1 request carries ` (choice i)` in its text. `output_tokens` pads or trims the
@@ -68,6 +69,7 @@ TRIGGERS: tuple[str, ...] = (
     "[[repeat]]",
     "[[stubborn]]",
     "[[bad_json]]",
+    "[[required]]",
     "[[bad_header]]",
     "[[unknown_channel]]",
     "[[doubled_start]]",
@@ -237,9 +239,13 @@ def argument_word(user_text: str) -> str:
     return word
 
 
-def build_arguments(tool: ToolSpec, user_text: str) -> dict[str, object]:
+def build_arguments(tool: ToolSpec, user_text: str, *, required_only: bool = False) -> dict[str, object]:
     word = argument_word(user_text)
-    return {param.name: example_value(param.type, word) for param in tool.params}
+    return {
+        param.name: example_value(param.type, word)
+        for param in tool.params
+        if param.required or not required_only
+    }
 
 
 def mentioned_tools(tools: Sequence[ToolSpec], user_text: str) -> list[ToolSpec]:
@@ -539,7 +545,14 @@ class HarmonyScript:
                 self._analysis(
                     draft, f"The user mentioned {tool.name}. I will call {tool.recipient}.{suffix}", triggers
                 )
-                self._call(draft, tool, user, CALL, bad_json="[[bad_json]]" in triggers)
+                self._call(
+                    draft,
+                    tool,
+                    user,
+                    CALL,
+                    bad_json="[[bad_json]]" in triggers,
+                    required_only="[[required]]" in triggers,
+                )
             return draft.finish(self._output_tokens)
         words = len(user.split())
         noun = "word" if words == 1 else "words"
@@ -594,7 +607,14 @@ class HarmonyScript:
         return None
 
     def _call(
-        self, draft: _Draft, tool: ToolSpec, user: str, terminator: int, *, bad_json: bool = False
+        self,
+        draft: _Draft,
+        tool: ToolSpec,
+        user: str,
+        terminator: int,
+        *,
+        bad_json: bool = False,
+        required_only: bool = False,
     ) -> None:
         if tool.freeform:
             draft.fixed(
@@ -609,7 +629,9 @@ class HarmonyScript:
                 f"<|start|>assistant<|channel|>{channel} to={tool.recipient} <|constrain|>json<|message|>"
             )
         )
-        arguments = json.dumps(build_arguments(tool, user), separators=(",", ":"), ensure_ascii=False)
+        arguments = json.dumps(
+            build_arguments(tool, user, required_only=required_only), separators=(",", ":"), ensure_ascii=False
+        )
         if bad_json:
             arguments = arguments[:-1] if len(arguments) > 2 else "{not json"
         draft.fixed(self._encode(arguments))

@@ -1,0 +1,138 @@
+"""Reasoning that survives tool turns for stateless clients: Responses `encrypted_content` (AEAD under the
+gateway key, shared through the storage), Chat Completions and Anthropic Messages restoring the analysis
+by the tool call ids the gateway issued, and the Harmony rule that a final answer drops older analysis."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from harmony_gateway.harmony.encoding import get_encoding
+from harmony_gateway.sim import RunningSim
+from tests.conftest import MODEL
+from tests.support.processes import start_gateway_process
+from tests.support.servers import RunningGateway
+
+ANALYSIS = "The user mentioned get_weather. I will call functions.get_weather."
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ASK = "Use get_weather for Paris"
+
+
+def last_prompt(sim: RunningSim) -> str:
+    return get_encoding().decode(sim.requests[-1].input_ids)
+
+
+def encrypted_only(item: dict[str, Any]) -> dict[str, Any]:
+    """A reasoning item as a client that keeps only the opaque blob sends it back."""
+    return {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]}
+
+
+async def first_turn(http: httpx.AsyncClient, *, stream: bool = False) -> list[dict[str, Any]]:
+    body = {
+        "model": MODEL,
+        "input": ASK,
+        "tools": [WEATHER],
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
+    r = await http.post("/responses", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["output"]  # type: ignore[no-any-return]
+
+
+async def second_turn(http: httpx.AsyncClient, output: list[dict[str, Any]], reasoning: dict[str, Any]) -> Any:
+    call = output[-1]
+    assert call["type"] == "function_call"
+    body = {
+        "model": MODEL,
+        "store": False,
+        "tools": [WEATHER],
+        "input": [
+            {"type": "message", "role": "user", "content": ASK},
+            reasoning,
+            call,
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny, 21C"},
+        ],
+    }
+    return await http.post("/responses", json=body)
+
+
+async def test_encrypted_reasoning_round_trip_with_store_false(gateway: RunningGateway, sim: RunningSim) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
+        output = await first_turn(http)
+        reasoning = output[0]
+        assert reasoning["type"] == "reasoning" and reasoning["encrypted_content"].startswith("hg1.")
+        assert ANALYSIS not in reasoning["encrypted_content"]
+        r = await second_turn(http, output, encrypted_only(reasoning))
+        assert r.status_code == 200, r.text
+        assert "sunny, 21C" in r.json()["output"][-1]["content"][0]["text"]
+    prompt = last_prompt(sim)
+    assert f"<|channel|>analysis<|message|>{ANALYSIS}<|end|>" in prompt
+
+
+async def test_streamed_reasoning_items_carry_encrypted_content(client: openai.AsyncOpenAI) -> None:
+    stream = await client.responses.create(
+        model=MODEL, input=ASK, tools=[WEATHER], store=False, include=["reasoning.encrypted_content"], stream=True
+    )
+    done: list[Any] = []
+    completed = None
+    async for event in stream:
+        if event.type == "response.output_item.done" and event.item.type == "reasoning":
+            done.append(event.item)
+        if event.type == "response.completed":
+            completed = event.response
+    assert completed is not None and done
+    assert done[0].encrypted_content == completed.output[0].encrypted_content  # type: ignore[union-attr]
+    plain = await client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], store=False)
+    assert plain.output[0].encrypted_content is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("how", ["flip", "foreign", "garbage"])
+async def test_tampered_encrypted_reasoning_is_400(gateway: RunningGateway, how: str) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
+        output = await first_turn(http)
+        blob = output[0]["encrypted_content"]
+        if how == "flip":
+            raw = bytearray(base64.urlsafe_b64decode(blob[4:] + "=" * (-len(blob[4:]) % 4)))
+            raw[20] ^= 1
+            blob = "hg1." + base64.urlsafe_b64encode(bytes(raw)).decode().rstrip("=")
+        elif how == "foreign":
+            blob = "gAAAAABlZ0aW5nIHNvbWUgb3RoZXIgc2VydmVyJ3MgYmxvYg=="
+        else:
+            blob = "hg1.!!!"
+        r = await second_turn(http, output, dict(output[0], encrypted_content=blob))
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "input[1].encrypted_content" and error["type"] == "invalid_request_error"
+
+
+async def test_another_gateway_process_on_the_same_storage_opens_it(sim: RunningSim, tmp_path: Path) -> None:
+    storage = ["--storage", f"sqlite:///{tmp_path / 'gw.db'}", "--worker-url", sim.url]
+    first = await start_gateway_process(*storage)
+    try:
+        async with httpx.AsyncClient(base_url=first.base_url, timeout=30) as http:
+            output = await first_turn(http)
+    finally:
+        first.stop()
+    second = await start_gateway_process(*storage)  # a restart: the generated key is read back
+    third = await start_gateway_process("--worker-url", sim.url)  # other storage: another key
+    try:
+        async with httpx.AsyncClient(base_url=second.base_url, timeout=30) as http:
+            r = await second_turn(http, output, encrypted_only(output[0]))
+            assert r.status_code == 200, r.text
+        assert f"<|channel|>analysis<|message|>{ANALYSIS}<|end|>" in last_prompt(sim)
+        async with httpx.AsyncClient(base_url=third.base_url, timeout=30) as http:
+            r = await second_turn(http, output, encrypted_only(output[0]))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input[1].encrypted_content"
+    finally:
+        second.stop()
+        third.stop()
