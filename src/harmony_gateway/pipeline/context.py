@@ -99,3 +99,6 @@ class PreparedRequest:
     output_adapter: Any = None
     #: Text-mode (HTTP) upstreams: the OpenAI request bodies to forward, by API.
     upstream_body: dict[str, dict[str, Any]] | None = None
+    #: Awaited with each finished choice before its last event is sent (keeps the analysis behind issued
+    #: tool calls restorable: `reasoning_store.turn_remembering`).
+    after_turn: Any = None

@@ -34,6 +34,7 @@ from ..harmony.messages import (
 )
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest
+from .reasoning_store import recall_analyses, turn_remembering
 
 SELECTION_TEXT_CHARS = 2000
 
@@ -197,9 +198,13 @@ def response_format_of(spec: dict[str, Any] | None, *, param: str, nested: bool)
     return ResponseFormat(name, str(body.get("description") or ""), json.dumps(schema, separators=(",", ":")))
 
 
-def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]]:
+def chat_history(
+    messages: Sequence[ChatMessage], restored: dict[int, str] | None = None
+) -> tuple[str | None, list[Msg]]:
     """Chat messages → (instructions, Harmony history). REFERENCE §2.3: leading system/developer
-    messages become the developer message's instructions; later ones a developer message in place."""
+    messages become the developer message's instructions; later ones a developer message in place.
+    `restored` maps an assistant message's index to the analysis to render when it has none of its own
+    (`restorable_turns`)."""
     call_names: dict[str, str] = {}
     for message in messages:
         for call in message.tool_calls or ():
@@ -223,7 +228,7 @@ def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]
         if role == "user":
             history.append(user(text_of(message.content, param=param)))
         elif role == "assistant":
-            reasoning = message.reasoning_content or message.reasoning
+            reasoning = message.reasoning_content or message.reasoning or (restored or {}).get(i)
             if reasoning:
                 history.append(assistant(reasoning, "analysis"))
             text = text_of(message.content, param=param, allow_refusal=True)
@@ -245,6 +250,22 @@ def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]
                 )
             history.append(tool_result("functions." + name, text_of(message.content, param=param)))
     return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
+    """Assistant messages whose analysis the model still needs but the client did not send: tool-call turns
+    after the last final answer (older analysis is dropped anyway), by index, with their call ids."""
+    turns: dict[int, list[str]] = {}
+    for i, message in enumerate(messages):
+        if message.role != "assistant":
+            continue
+        if not message.tool_calls:
+            if text_of(message.content, param=f"messages[{i}].content", allow_refusal=True):
+                turns.clear()  # a final answer: the analysis before it is dropped
+            continue
+        if not (message.reasoning_content or message.reasoning):
+            turns[i] = [call.id for call in message.tool_calls]
+    return turns
 
 
 def selection_text(history: Sequence[Msg]) -> str:
@@ -360,7 +381,8 @@ async def prepare_chat(
         )
     effort = parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort")
     tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
-    instructions, history = chat_history(request.messages)
+    restored = await recall_analyses(state, restorable_turns(request.messages))
+    instructions, history = chat_history(request.messages, restored)
     response_format = response_format_of(request.response_format, param="response_format", nested=True)
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), (), response_format)
     input_ids = await render_harmony(state, prefix, history)
@@ -386,4 +408,5 @@ async def prepare_chat(
         prefix=prefix,
         history=history,
         original_text="[harmony]",
+        after_turn=turn_remembering(state),
     )

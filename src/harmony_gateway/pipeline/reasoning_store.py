@@ -10,7 +10,8 @@ three ways, all under one gateway key:
 - Chat Completions and Anthropic Messages clients that send the assistant's tool calls back without the
   reasoning: the analysis the gateway produced for a turn is kept in the storage under each tool call id it
   issued (`remember`), with a TTL, and restored by those ids (`recall`). Storage is shared, so any replica
-  restores it; what the client sends always wins.
+  restores it; what the client sends always wins. The ids are unguessable (96 random bits) and only the
+  client that received them knows them, so they are the lookup key on their own.
 - Anthropic `thinking` blocks carry a `signature`: HMAC-SHA256 of the thinking text.
 
 The key comes from `--reasoning-key` / HARMONY_GATEWAY_REASONING_KEY (any string, stretched with
@@ -26,16 +27,20 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
 import os
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import InvalidRequest
+from ..harmony import token_parser as tp
+
+log = logging.getLogger(__name__)
 
 ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
 KEY_NAME = "gateway:reasoning-key"
@@ -86,27 +91,27 @@ class ReasoningVault:
         return isinstance(signature, str) and hmac.compare_digest(self.sign(text), signature)
 
     # -- restoring by tool call id ----------------------------------------------------------------
-    async def remember(self, owner: str, call_ids: Iterable[str], analysis: str) -> None:
+    async def remember(self, call_ids: Iterable[str], analysis: str) -> None:
         if not analysis:
             return
         value = {"analysis": analysis[-MAX_RECALL_CHARS:]}
         expires = time.time() + RECALL_TTL_SECONDS
         for call_id in call_ids:
-            await self._store.put_value(_recall_key(owner, call_id), value, expires_at=expires)
+            await self._store.put_value(_recall_key(call_id), value, expires_at=expires)
 
-    async def recall(self, owner: str, call_ids: Iterable[str]) -> str | None:
+    async def recall(self, call_ids: Iterable[str]) -> str | None:
         """The analysis remembered under the first of `call_ids` that has one."""
         now = time.time()
         for call_id in call_ids:
-            found = await self._store.get_value(_recall_key(owner, call_id), now=now)
+            found = await self._store.get_value(_recall_key(call_id), now=now)
             if found is not None:
                 return str(found.get("analysis") or "") or None
         return None
 
 
-def _recall_key(owner: str, call_id: str) -> str:
-    digest = hashlib.sha256(f"{owner}\0{call_id}".encode()).hexdigest()
-    return f"reasoning:{digest}"
+def _recall_key(call_id: str) -> str:
+    # Stored hashed: the storage never holds a usable call id.
+    return "reasoning:" + hashlib.sha256(call_id.encode()).hexdigest()
 
 
 _vaults: weakref.WeakKeyDictionary[Any, ReasoningVault] = weakref.WeakKeyDictionary()
@@ -135,6 +140,42 @@ async def _gateway_key(state: Any) -> bytes:
     return base64.b64decode(stored["key"])
 
 
+def turn_remembering(state: Any) -> Callable[[Any], Awaitable[None]]:
+    """The `PreparedRequest.after_turn` hook of Chat and Messages requests: once a choice has finished,
+    keep the analysis of a turn that called tools under the call ids it issued. Storage trouble is logged,
+    never fails the response."""
+
+    async def remember_turn(choice: Any) -> None:
+        messages = getattr(getattr(choice, "parser", None), "messages", None)
+        if not messages:
+            return  # text output (HTTP upstreams, other models): no issued call ids
+        calls = [m.call_id for m in messages if m.kind == tp.FUNCTION_CALL and m.call_id]
+        analysis = "\n".join(
+            m.text for m in messages if m.kind == tp.REASONING and not m.recipient and m.text
+        )
+        if not calls or not analysis:
+            return
+        try:
+            await (await reasoning_vault(state)).remember(calls, analysis)
+        except Exception as exc:
+            log.warning("could not keep the analysis of tool calls %s: %s", calls, exc)
+
+    return remember_turn
+
+
+async def recall_analyses(state: Any, turns: dict[int, list[str]]) -> dict[int, str]:
+    """Remembered analysis per assistant turn (index → text) for turns given as index → their call ids."""
+    if not turns:
+        return {}
+    try:
+        vault = await reasoning_vault(state)
+        found = {i: await vault.recall(ids) for i, ids in turns.items()}
+    except Exception as exc:
+        log.warning("could not restore the analysis of earlier tool calls: %s", exc)
+        return {}
+    return {i: text for i, text in found.items() if text}
+
+
 def wants_encrypted_reasoning(include: Any) -> bool:
     return ENCRYPTED_INCLUDE in (include or ())
 
@@ -156,6 +197,8 @@ __all__ = [
     "RECALL_TTL_SECONDS",
     "ReasoningVault",
     "reasoning_vault",
+    "recall_analyses",
+    "turn_remembering",
     "vault_for",
     "wants_encrypted_reasoning",
 ]

@@ -95,6 +95,8 @@ async def run_chat(
                     break
         for choice in choices:
             choice.close()
+            if prepared.after_turn is not None:
+                await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
         usage = chat_usage(choices, len(prepared.input_ids))
         _note_budget(usage, prepared, ctx)
         ctx.completion_tokens = usage["completion_tokens"]
@@ -140,6 +142,8 @@ async def _stream_chat(
                 if (choice.finished or choice.stop_hit) and not emitted_finish[chunk.index]:
                     if choice.stop_hit:
                         out += writer.deltas(chunk.index, choice.close())
+                    if prepared.after_turn is not None:
+                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
                     emitted_finish[chunk.index] = True
                     out += writer.finish_chunk(chunk.index, choice.finish_reason)
                 if head:
@@ -152,6 +156,8 @@ async def _stream_chat(
             for choice in choices:
                 if not emitted_finish[choice.index]:
                     tail += writer.deltas(choice.index, choice.close())
+                    if prepared.after_turn is not None:
+                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
                     tail += writer.finish_chunk(choice.index, choice.finish_reason)
             if include_usage:
                 usage = chat_usage(choices, len(prepared.input_ids))
