@@ -92,3 +92,41 @@ async def test_codex_default_config_shell_round_trip(
     assert first_analysis not in prompts[0]
     assert first_analysis in prompts[1]  # the replayed reasoning item, rendered as analysis
     assert "marker.txt" in prompts[1]
+
+
+@pytest.mark.skipif(
+    _cli("claude") is None, reason="Claude Code is not installed (npm i -g @anthropic-ai/claude-code)"
+)
+async def test_claude_code_print_mode_bash_round_trip(
+    gateway: RunningGateway, sim: RunningSim, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "marker.txt").write_text("")
+    env = dict(
+        os.environ,
+        HOME=str(tmp_path),
+        ANTHROPIC_BASE_URL=gateway.url,
+        ANTHROPIC_API_KEY="test",
+        DISABLE_TELEMETRY="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    )
+    start = len(sim.requests)
+    out = await run_cli(
+        _cli("claude") or "claude",
+        "-p",
+        "Use Bash for ls [[required]]",
+        "--model",
+        MODEL,
+        "--allowedTools",
+        "Bash",
+        cwd=work,
+        env=env,
+    )
+    assert "marker.txt" in out
+    prompts = [p for p in prompts_since(sim, start) if "Use Bash for ls" in p]
+    assert len(prompts) >= 2
+    first_analysis = "The user mentioned Bash. I will call functions.Bash."
+    assert first_analysis not in prompts[0]
+    assert first_analysis in prompts[1]
+    assert "marker.txt" in prompts[1]
