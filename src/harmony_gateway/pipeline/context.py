@@ -47,6 +47,8 @@ class RequestContext:
     route: str
     owner: str = ""
     routing_key: str | None = None
+    #: The request's `prompt_cache_key`: the routing key of `cache_aware` and `consistent_hash` when given.
+    prompt_cache_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
     model: str = ""
     worker: Worker | None = None

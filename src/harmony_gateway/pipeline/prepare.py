@@ -39,17 +39,29 @@ from .reasoning_store import recall_analyses, turn_remembering
 SELECTION_TEXT_CHARS = 2000
 
 
-def conversation_date(state: GatewayState) -> str:
-    return state.settings.conversation_start_date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+def conversation_date(state: GatewayState, started: str | None = None) -> str:
+    """The system message's date: the setting that pins it, else the date a Responses chain or conversation
+    started (`started`, so its prompt prefix stays byte-identical across midnight and keeps hitting the
+    engines' prefix caches), else today's UTC date."""
+    return state.settings.conversation_start_date or started or utc_date(dt.datetime.now(dt.UTC).timestamp())
+
+
+def utc_date(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%d")
 
 
 def system_options(
-    state: GatewayState, effort: str, *, browser: bool = False, python: bool = False
+    state: GatewayState,
+    effort: str,
+    *,
+    browser: bool = False,
+    python: bool = False,
+    started: str | None = None,
 ) -> SystemOptions:
     s = state.settings
     return SystemOptions(
         effort=effort,
-        conversation_start_date=conversation_date(state),
+        conversation_start_date=conversation_date(state, started),
         model_identity=s.model_identity,
         knowledge_cutoff=s.knowledge_cutoff,
         browser_tool=browser,
@@ -266,6 +278,14 @@ def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
         if not (message.reasoning_content or message.reasoning):
             turns[i] = [call.id for call in message.tool_calls]
     return turns
+
+
+def prompt_cache_key_of(request: Any) -> str | None:
+    """The request's `prompt_cache_key` (accepted as an extra field by every OpenAI schema), if a string."""
+    value = getattr(request, "prompt_cache_key", None)
+    if value is None:
+        value = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
+    return value if isinstance(value, str) and value else None
 
 
 def selection_text(history: Sequence[Msg]) -> str:

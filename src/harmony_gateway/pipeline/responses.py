@@ -63,12 +63,14 @@ from .prepare import (
     apply_tool_choice,
     forces_tool_call,
     output_constraint,
+    prompt_cache_key_of,
     render_harmony,
     response_format_of,
     sampling_options,
     selection_text,
     system_options,
     token_budget,
+    utc_date,
 )
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .reasoning_store import vault_for, wants_encrypted_reasoning
@@ -83,6 +85,8 @@ log = logging.getLogger(__name__)
 #: Private `StoredResponse.metadata` key: the id of the first response of a `previous_response_id`
 #: chain, inherited by every later one, so the whole chain routes by one key (never sent to clients).
 ROOT_KEY = "_root"
+#: Private `StoredResponse.metadata` key: the system message date of the chain's first turn, inherited.
+DATE_KEY = "_date"
 
 #: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
 CLOSE_TIMEOUT = 5.0
@@ -129,6 +133,11 @@ class ResponsePlan:
         if self.tools is not None:
             tools, self.tools = self.tools, None
             await tools.aclose()
+
+
+async def conversation_started(store: Any, conversation_id: str, owner: str) -> str | None:
+    conversation = await store.get_conversation(conversation_id, owner)
+    return utc_date(conversation.created_at) if conversation is not None else None
 
 
 def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]:
@@ -269,6 +278,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
     group = state.fleet.group(req.model)
     ctx.model = group.name
+    ctx.prompt_cache_key = prompt_cache_key_of(req)
     if not group.harmony:
         raise InvalidRequest(
             f"the Responses API serves Harmony models; {group.name!r} is not one", param="model"
@@ -289,6 +299,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
 
     # History: the previous_response_id chain, or the conversation's items.
     history: list[Msg] = []
+    started: str | None = None  # the date the chain or conversation started: the prompt keeps it
     known_items: list[dict[str, Any]] = []
     chain_root: str | None = None
     if req.previous_response_id:
@@ -303,6 +314,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             )
         # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
+        started = chain[-1].metadata.get(DATE_KEY) or utc_date(chain[0].created_at)
         for record in chain:
             history.extend(Msg.from_dict(d) for d in record.history)
             known_items.extend(record.input_items)
@@ -314,6 +326,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
         conversation_items = found
         known_items.extend(found)
+        started = await conversation_started(store, conversation_id, ctx.owner)
     call_names = call_names_of([*known_items, *items])
     by_id = {item.get("id"): item for item in known_items if item.get("id")}
 
@@ -375,6 +388,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             effort,
             browser=loop is not None and loop.browser is not None,
             python=loop is not None and loop.python is not None,
+            started=started,
         )
         response_format = response_format_of(
             (req.text or {}).get("format"), param="text.format", nested=False
@@ -706,6 +720,9 @@ def _observe_iterations(state: GatewayState, plan: ResponsePlan) -> None:
 
 def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = False) -> StoredResponse:
     metadata: dict[str, Any] = {ROOT_KEY: plan.chain_root} if plan.chain_root else {}
+    prefix = plan.prepared.prefix
+    if prefix is not None and prefix.options.conversation_start_date:
+        metadata[DATE_KEY] = prefix.options.conversation_start_date
     return StoredResponse(
         id=plan.response_id,
         owner=plan.owner,
