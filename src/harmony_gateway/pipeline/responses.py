@@ -55,6 +55,7 @@ from ..mcp.tool_loop import (
 )
 from ..storage.base import StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
+from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
@@ -171,10 +172,13 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
             raise InvalidRequest("tools need a string 'type'", param=f"{param}[{i}].type")
         if (kind == "namespace" or kind in GATEWAY_TOOL_TYPES) and param == "tools":
             continue  # namespaces: client_namespaces(); gateway-executed tools: mcp/tool_loop.py
+        if kind in CLIENT_TOOL_KINDS and param == "tools":
+            out.append(client_tool(tool, f"{param}[{i}]"))  # custom (freeform) and local_shell
+            continue
         if kind != "function":
             raise InvalidRequest(
-                f"tool type {kind!r} is not supported on this gateway; use function, namespace, mcp, "
-                "web_search_preview or code_interpreter tools",
+                f"tool type {kind!r} is not supported on this gateway; use function, custom, local_shell, "
+                "namespace, mcp, web_search_preview or code_interpreter tools",
                 param=f"{param}[{i}].type",
             )
         name = tool.get("name")
