@@ -18,7 +18,7 @@ from harmony_gateway.pipeline.reasoning_store import reasoning_vault
 from harmony_gateway.sim import RunningSim
 from tests.conftest import MODEL
 from tests.support.processes import start_gateway_process
-from tests.support.servers import RunningGateway
+from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 ANALYSIS = "The user mentioned get_weather. I will call functions.get_weather."
 WEATHER = {
@@ -296,3 +296,14 @@ async def test_messages_restore_the_analysis_of_their_tool_uses(
         ]
         await c.messages.create(**request, messages=later)
         assert ANALYSIS not in last_prompt(sim)
+
+
+async def test_a_configured_key_is_shared_without_shared_storage(sim: RunningSim) -> None:
+    settings = test_settings(worker_urls=(sim.url,), reasoning_key="operator-secret")
+    async with running_gateway(settings) as a, running_gateway(settings) as b:
+        async with httpx.AsyncClient(base_url=a.base_url, timeout=30) as http:
+            output = await first_turn(http)
+        async with httpx.AsyncClient(base_url=b.base_url, timeout=30) as http:
+            r = await second_turn(http, output, encrypted_only(output[0]))
+            assert r.status_code == 200, r.text
+    assert f"<|channel|>analysis<|message|>{ANALYSIS}<|end|>" in last_prompt(sim)
