@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic
 import httpx
 import openai
+import pytest
 
 from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim
 from tests.conftest import MODEL
-from tests.support.servers import RunningGateway
+from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 HOSTED: list[Any] = [
     {"type": "web_search", "external_web_access": False},
@@ -57,3 +59,25 @@ async def test_unsupported_tool_errors_keep_the_clients_index(client: openai.Asy
         assert exc.param == "tools[1].name"
     else:
         raise AssertionError("a function tool without a name must be refused")
+
+
+async def test_anthropic_server_tools_are_dropped_or_rejected(gateway: RunningGateway, sim: RunningSim) -> None:
+    body: Any = {
+        "model": MODEL,
+        "max_tokens": 256,
+        "messages": [{"role": "user", "content": "hello"}],
+        "tools": [
+            {"type": "web_search_20250305", "name": "web_search"},
+            {"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+        ],
+    }
+    async with anthropic.AsyncAnthropic(base_url=gateway.url, api_key="k", max_retries=0) as c:
+        r = await c.messages.create(**body)
+        assert r.stop_reason == "end_turn"
+    prompt = get_encoding().decode(sim.requests[-1].input_ids)
+    assert "type Bash" in prompt and "web_search" not in prompt
+    async with running_gateway(test_settings(worker_urls=(sim.url,), unbacked_tools="reject")) as strict:
+        async with anthropic.AsyncAnthropic(base_url=strict.url, api_key="k", max_retries=0) as c:
+            with pytest.raises(anthropic.BadRequestError) as info:
+                await c.messages.create(**body)
+    assert "tools[0].type" in info.value.body["error"]["message"]

@@ -77,6 +77,7 @@ from ..harmony.messages import (
 )
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
+from .hosted_tools import note_dropped_tool
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from .prepare import (
     apply_tool_choice,
@@ -331,9 +332,16 @@ def _assistant_message(
     history.extend(assistant_call("functions." + name, arguments) for _, name, arguments in calls)
 
 
-def anthropic_tools(request: CountTokensRequest) -> list[FunctionTool]:
+def anthropic_tools(
+    request: CountTokensRequest, *, unbacked: str = "reject", metrics: Any = None
+) -> list[FunctionTool]:
+    """Function tools of the request. Server tools (a versioned `type`) have no backing here: with
+    `unbacked="drop"` (`--unbacked-tools`) they are left out, logged once and counted, else 400."""
     tools: list[FunctionTool] = []
     for i, tool in enumerate(request.tools or []):
+        if tool.type not in (None, "custom") and unbacked == "drop":
+            note_dropped_tool(tool.type, metrics)
+            continue
         if tool.type not in (None, "custom"):
             raise InvalidRequest(
                 f"tool type {tool.type!r} is an Anthropic server tool, which this gateway cannot run; "
@@ -473,7 +481,7 @@ async def prepare_messages(
         return MessagesPlan(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
         )
-    tools = anthropic_tools(request)
+    tools = anthropic_tools(request, unbacked=state.settings.unbacked_tools, metrics=state.metrics)
     restored = await recall_analyses(state, restorable_turns(request))
     instructions, history = anthropic_history(request, restored)
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))

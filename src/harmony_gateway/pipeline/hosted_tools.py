@@ -77,16 +77,21 @@ def unbacked_tool_indices(
             )
             raise InvalidRequest(f"the {kind} tool needs {need}", param=f"tools[{i}].type")
         dropped.add(i)
-        if kind not in _logged:
-            _logged.add(kind)
-            logger.warning(
-                "hosted tool %r has no backing on this gateway; it is left out of the prompt "
-                "(--unbacked-tools reject refuses such requests)",
-                kind,
-            )
-        if metrics is not None:
-            metrics.unbacked_tools_dropped.labels(kind).inc()
+        note_dropped_tool(kind, metrics)
     return frozenset(dropped)
+
+
+def note_dropped_tool(kind: str, metrics: Any = None) -> None:
+    """Log a dropped hosted tool type once per process; count every drop."""
+    if kind not in _logged:
+        _logged.add(kind)
+        logger.warning(
+            "hosted tool %r has no backing on this gateway; it is left out of the prompt "
+            "(--unbacked-tools reject refuses such requests)",
+            kind,
+        )
+    if metrics is not None:
+        metrics.unbacked_tools_dropped.labels(kind).inc()
 
 
 __all__ = [
@@ -94,6 +99,7 @@ __all__ = [
     "HOSTED_TOOLS",
     "UNBACKED_MODES",
     "backed_builtins",
+    "note_dropped_tool",
     "offered_tools",
     "unbacked_tool_indices",
 ]
