@@ -61,14 +61,19 @@ async def test_unsupported_tool_errors_keep_the_clients_index(client: openai.Asy
         raise AssertionError("a function tool without a name must be refused")
 
 
-async def test_anthropic_server_tools_are_dropped_or_rejected(gateway: RunningGateway, sim: RunningSim) -> None:
+async def test_anthropic_server_tools_are_dropped_or_rejected(
+    gateway: RunningGateway, sim: RunningSim
+) -> None:
     body: Any = {
         "model": MODEL,
         "max_tokens": 256,
         "messages": [{"role": "user", "content": "hello"}],
         "tools": [
             {"type": "web_search_20250305", "name": "web_search"},
-            {"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}},
+            {
+                "name": "Bash",
+                "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+            },
         ],
     }
     async with anthropic.AsyncAnthropic(base_url=gateway.url, api_key="k", max_retries=0) as c:

@@ -247,9 +247,13 @@ def items_to_messages(
             messages.append(assistant_call(call_recipient(item), item.get("arguments") or ""))
         elif kind == "custom_tool_call":
             # Freeform input exactly as generated: no `<|constrain|>json`.
-            messages.append(assistant_call("functions." + item["name"], item.get("input") or "", content_type=None))
+            messages.append(
+                assistant_call("functions." + item["name"], item.get("input") or "", content_type=None)
+            )
         elif kind == "local_shell_call":
-            messages.append(assistant_call("functions." + LOCAL_SHELL, local_shell_arguments(item.get("action"))))
+            messages.append(
+                assistant_call("functions." + LOCAL_SHELL, local_shell_arguments(item.get("action")))
+            )
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             name = call_names.get(item["call_id"])
             if name is None:

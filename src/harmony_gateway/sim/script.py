@@ -630,7 +630,9 @@ class HarmonyScript:
             )
         )
         arguments = json.dumps(
-            build_arguments(tool, user, required_only=required_only), separators=(",", ":"), ensure_ascii=False
+            build_arguments(tool, user, required_only=required_only),
+            separators=(",", ":"),
+            ensure_ascii=False,
         )
         if bad_json:
             arguments = arguments[:-1] if len(arguments) > 2 else "{not json"
