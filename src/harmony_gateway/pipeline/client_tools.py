@@ -71,7 +71,9 @@ def client_tool(tool: dict[str, Any], param: str) -> FunctionTool:
 
 def client_tool_kinds(tools: list[dict[str, Any]] | None) -> ClientToolKinds:
     custom = frozenset(
-        t["name"] for t in tools or () if isinstance(t, dict) and t.get("type") == "custom" and t.get("name")
+        t["name"]
+        for t in tools or ()
+        if isinstance(t, dict) and t.get("type") == "custom" and isinstance(t.get("name"), str)
     )
     shell = any(isinstance(t, dict) and t.get("type") == LOCAL_SHELL for t in tools or ())
     return ClientToolKinds(custom, shell)

@@ -63,8 +63,8 @@ def unbacked_tool_indices(
     dropped = set()
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind not in HOSTED_TOOLS:
-            continue
+        if not isinstance(kind, str) or kind not in HOSTED_TOOLS:
+            continue  # not a hosted tool; malformed entries are named by the later validation
         builtin = HOSTED_TOOLS[kind]
         if builtin is not None and builtin in backed:
             continue
