@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 
 from harmony_gateway.harmony.encoding import get_encoding
-from harmony_gateway.sim import RunningSim
+from harmony_gateway.sim import RunningSim, SimConfig
 from tests.conftest import MODEL
+from tests.e2e._fleet import next_request_id, served_by, sims
 from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 OLD_DATE = "2020-01-01"
@@ -71,3 +73,25 @@ async def test_cached_tokens_on_every_surface(gateway: RunningGateway, client: o
         await a.messages.create(**body)
         m = await a.messages.create(**body)
         assert m.usage.cache_read_input_tokens
+
+
+async def test_prompt_cache_key_routes_cache_aware_and_consistent_hash() -> None:
+    """Turns of one `prompt_cache_key` stay on one engine even when their prompts share little."""
+    for policy in ("cache_aware", "consistent_hash"):
+        async with sims(SimConfig(), SimConfig(), SimConfig()) as engines:
+            settings = test_settings(
+                worker_urls=tuple(e.url for e in engines), policy=policy, health_interval=0.2
+            )
+            async with (
+                running_gateway(settings) as gw,
+                httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+            ):
+                homes: dict[str, set[int]] = {}
+                for turn in range(4):
+                    for key in ("session-a", "session-b", "session-c", "session-d"):
+                        rid = next_request_id("pck")
+                        body = {"model": MODEL, "input": f"{key} turn {turn} {rid}", "prompt_cache_key": key}
+                        r = await http.post("/v1/responses", json=body, headers={"x-request-id": rid})
+                        assert r.status_code == 200, r.text
+                        homes.setdefault(key, set()).update(served_by(rid, engines))
+        assert all(len(home) == 1 for home in homes.values()), (policy, homes)
