@@ -359,3 +359,23 @@ async def test_text_parser_window_setting() -> None:
                     metrics = (await http.get(gw.url + "/metrics")).text
             fell_back = 'harmony_marker_fallback_total{fallback="marker"} 2.0' in metrics
             assert fell_back == (window == 24)
+
+
+@STREAM
+@pytest.mark.parametrize(
+    ("trigger", "content"),
+    [
+        ("[[bad_header]]", "Done."),
+        ("[[doubled_start]]", "Done."),
+        ("[[stray_text]]", "Done."),
+        ("[[return_after_analysis]]", None),
+    ],
+)
+async def test_malformed_shapes_on_the_text_path(
+    http_client: openai.AsyncOpenAI, stream: bool, trigger: str, content: str | None
+) -> None:
+    """Harmony as text recovers like the token path: the answer is kept, misplaced text is never content."""
+    out = await ask(http_client, trigger, stream=stream)
+    assert out["content"] == content
+    assert out["reasoning"] and out["reasoning"].startswith("Hmm.")
+    assert "<|" not in (out["content"] or "") + out["reasoning"]
