@@ -338,7 +338,7 @@ class HarmonyOutputParser:
         role = None
         if token == START_TOKEN:
             replay = [token]
-        elif token == CHANNEL and self._open is None and not header:
+        elif token == CHANNEL and not header:
             replay = [token]  # a header without its `<|start|>assistant`: the text parser reads it too
             role = Role.ASSISTANT
         else:
@@ -528,11 +528,11 @@ class HarmonyOutputParser:
             except HarmonyError as exc:
                 kind = RECOVERED_STRAY_TEXT if parser.state == _STATE_EXPECT_START else RECOVERED_HEADER
                 replay = self._recover(kind, str(exc), token, events)
-                if not replay:
-                    self.ignored_tokens += 1
                 if replay:
-                    self.output_tokens -= len(replay)
+                    self.output_tokens -= len(replay)  # counted again as they are fed
                     events += self._feed_slow(replay)
+                else:
+                    self.ignored_tokens += 1
                 parser = self._parser
                 continue
             if token < FIRST_SPECIAL_ID:
@@ -559,7 +559,7 @@ class HarmonyOutputParser:
                         events,
                     )
                     if replay:
-                        self.output_tokens -= len(replay)
+                        self.output_tokens -= len(replay)  # counted again as they are fed
                         events += self._feed_slow(replay)
                     parser = self._parser
                     continue

@@ -464,11 +464,14 @@ def _generated_messages(parser: tp.HarmonyOutputParser) -> list[Msg]:
     for msg in parser.messages:
         if msg.kind == tp.DROPPED:
             continue
+        # Reasoning from an unknown channel or a broken header replays as plain analysis (so the drop rule
+        # applies to it), never with the junk channel name.
+        channel = "analysis" if msg.kind == tp.REASONING and not msg.recipient else msg.channel
         out.append(
             Msg(
                 "assistant",
                 msg.text,
-                channel=msg.channel,
+                channel=channel,
                 recipient=msg.recipient,
                 content_type=msg.content_type,
             )
