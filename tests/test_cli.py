@@ -83,3 +83,17 @@ def test_text_parser_window_flags() -> None:
         ["serve", "--worker-url", "grpc://h:1", "--text-parser-window-chars", "-1"]
     )
     assert "--text-parser-window-chars" in (invalid_setting(settings_from_args(bad)) or "")
+
+
+def test_agent_client_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["serve", "--worker-url", "grpc://h:1"]
+    monkeypatch.delenv("HARMONY_GATEWAY_REASONING_KEY", raising=False)
+    settings = settings_from_args(build_parser().parse_args(base))
+    assert (settings.unbacked_tools, settings.reasoning_key) == ("drop", None)
+    flags = ["--unbacked-tools", "reject", "--reasoning-key", "s3cret"]
+    settings = settings_from_args(build_parser().parse_args([*base, *flags]))
+    assert (settings.unbacked_tools, settings.reasoning_key) == ("reject", "s3cret")
+    monkeypatch.setenv("HARMONY_GATEWAY_REASONING_KEY", "from-env")
+    assert settings_from_args(build_parser().parse_args(base)).reasoning_key == "from-env"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--unbacked-tools", "maybe"])

@@ -99,7 +99,8 @@ async def _learn_bootstrap_port(state: GatewayState, worker: Worker) -> None:
 
 
 async def _purge_expired(state: GatewayState) -> None:
-    """Apply --storage-retention: delete old stored responses, hourly-ish, off the request path."""
+    """Apply --storage-retention (delete old stored responses) and drop expired gateway values,
+    hourly-ish, off the request path."""
     while True:
         await anyio.sleep(min(3600.0, max(5.0, (state.settings.storage_retention or 3600.0) / 4)))
         try:
@@ -149,8 +150,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 if settings.stream_interval == 0:
                     tg.start_soon(gw.stream_tuner.run)
                 tg.start_soon(_watch_workers, gw, checker)
-                if settings.storage_retention:
-                    tg.start_soon(_purge_expired, gw)
+                # Also without retention: expiring gateway values (restorable reasoning) are purged here.
+                tg.start_soon(_purge_expired, gw)
                 try:
                     yield
                 finally:

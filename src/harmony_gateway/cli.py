@@ -125,6 +125,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         mcp_tool_timeout=args.mcp_tool_timeout,
         mcp_max_output_chars=args.mcp_max_output_chars,
         max_tool_calls=args.max_tool_calls,
+        unbacked_tools=args.unbacked_tools,
+        reasoning_key=args.reasoning_key or os.environ.get("HARMONY_GATEWAY_REASONING_KEY") or None,
         tokenizer_paths=_pairs(args.tokenizer, "--tokenizer"),
         reasoning_parsers=_pairs(args.reasoning_parser, "--reasoning-parser"),
         tool_call_parsers=_pairs(args.tool_call_parser, "--tool-call-parser"),
@@ -323,6 +325,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-tool-calls", type=int, default=10, help="limit on gateway-executed tool calls per response"
+    )
+    p.add_argument(
+        "--unbacked-tools",
+        choices=("drop", "reject"),
+        default="drop",
+        help="hosted tools nothing backs (web_search without a browser server, file_search, ...): "
+        "leave them out of the prompt (drop) or answer 400 (reject)",
+    )
+    p.add_argument(
+        "--reasoning-key",
+        default=None,
+        metavar="SECRET",
+        help="key for encrypted reasoning and thinking signatures (also HARMONY_GATEWAY_REASONING_KEY); "
+        "default: generated once and kept in the storage",
     )
     p.add_argument(
         "--tokenizer",

@@ -81,6 +81,11 @@ class Settings:
     mcp_tool_timeout: float = 30.0
     mcp_max_output_chars: int = 64_000
     max_tool_calls: int = 10
+    #: Hosted tools without a backing (web_search without a browser server, file_search, ...): drop | reject.
+    unbacked_tools: str = "drop"
+    #: Key of the reasoning AEAD/HMAC (encrypted_content, thinking signatures); None: generated once and
+    #: kept in the storage so restarts and replicas share it.
+    reasoning_key: str | None = None
     tokenizer_paths: dict[str, str] = field(default_factory=dict)
     reasoning_parsers: dict[str, str] = field(default_factory=dict)
     tool_call_parsers: dict[str, str] = field(default_factory=dict)

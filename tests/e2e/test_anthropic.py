@@ -245,7 +245,6 @@ async def test_claude_model_names_map_to_the_only_served_model(
             {"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x"}]}]},
             "messages[0].content[0].tool_use_id",
         ),
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         (
             {
                 "messages": [

@@ -114,10 +114,10 @@ async def test_stripped_special_tokens(http_client: openai.AsyncOpenAI, stream: 
 
 
 @STREAM
-async def test_unknown_channel_is_content(http_client: openai.AsyncOpenAI, stream: bool) -> None:
+async def test_unknown_channel_is_reasoning(http_client: openai.AsyncOpenAI, stream: bool) -> None:
     out = await ask(http_client, "[[unknown]]", stream=stream)
-    assert out["reasoning"] == "Hmm."
-    assert out["content"] == "Odd. Done."
+    assert out["reasoning"] == "Hmm.Odd. "
+    assert out["content"] == "Done."
 
 
 @STREAM
@@ -223,7 +223,7 @@ async def test_metrics_count_text_parser_outcomes(
     assert lines['harmony_channel_messages_total{channel="<unknown>"}'] >= 1
     assert lines['harmony_channel_messages_total{channel="final"}'] >= 1
     assert lines['harmony_marker_fallback_total{fallback="passthrough"}'] >= 1
-    assert lines["harmony_channel_parse_errors_total"] >= 1
+    assert lines['harmony_channel_parse_errors_total{kind="text"}'] >= 1
     assert lines["harmony_reasoning_answer_ratio_count"] >= 3
 
 
@@ -359,3 +359,23 @@ async def test_text_parser_window_setting() -> None:
                     metrics = (await http.get(gw.url + "/metrics")).text
             fell_back = 'harmony_marker_fallback_total{fallback="marker"} 2.0' in metrics
             assert fell_back == (window == 24)
+
+
+@STREAM
+@pytest.mark.parametrize(
+    ("trigger", "content"),
+    [
+        ("[[bad_header]]", "Done."),
+        ("[[doubled_start]]", "Done."),
+        ("[[stray_text]]", "Done."),
+        ("[[return_after_analysis]]", None),
+    ],
+)
+async def test_malformed_shapes_on_the_text_path(
+    http_client: openai.AsyncOpenAI, stream: bool, trigger: str, content: str | None
+) -> None:
+    """Harmony as text recovers like the token path: the answer is kept, misplaced text is never content."""
+    out = await ask(http_client, trigger, stream=stream)
+    assert out["content"] == content
+    assert out["reasoning"] and out["reasoning"].startswith("Hmm.")
+    assert "<|" not in (out["content"] or "") + out["reasoning"]

@@ -87,8 +87,8 @@ async def mcp_gateway(sim, browser, tmp_path_factory) -> AsyncIterator[RunningGa
 
 @pytest.fixture(scope="module")
 async def strict_gateway(sim) -> AsyncIterator[RunningGateway]:
-    """No --mcp-allow-hosts and no MCP config."""
-    async with running_gateway(test_settings(worker_urls=(sim.url,))) as gw:
+    """No --mcp-allow-hosts and no MCP config; hosted tools without a backing are refused."""
+    async with running_gateway(test_settings(worker_urls=(sim.url,), unbacked_tools="reject")) as gw:
         yield gw
 
 

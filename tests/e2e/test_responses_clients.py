@@ -60,10 +60,11 @@ async def _sse_events(response: httpx.Response) -> list[dict]:
 
 
 async def test_codex_request_shape_round_trip(gateway) -> None:
-    """Codex's own request (developer messages, function and namespace tools, web_search disabled,
-    client_metadata, include of encrypted reasoning, store false) streams, calls its tool, continues."""
+    """Codex's own request as its default configuration sends it (developer messages, function and namespace
+    tools, web_search with no browser backing, client_metadata, include of encrypted reasoning, store false)
+    streams, calls its tool, continues."""
     body = json.loads((DATA / "codex_responses_request.json").read_text())
-    body["tools"] = [t for t in body["tools"] if t["type"] != "web_search"]
+    assert any(t["type"] == "web_search" for t in body["tools"])
     async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
         async with http.stream("POST", "/responses", json=body) as r:
             assert r.status_code == 200
@@ -123,7 +124,7 @@ async def test_codex_cli_exec(gateway, tmp_path) -> None:
     home = tmp_path / "codex"
     home.mkdir()
     (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "gw"\nweb_search = "disabled"\n\n'
+        f'model = "{MODEL}"\nmodel_provider = "gw"\n\n'
         f'[model_providers.gw]\nname = "harmony-gateway"\nbase_url = "{gateway.base_url}"\n'
         'wire_api = "responses"\nenv_key = "GW_KEY"\n'
     )

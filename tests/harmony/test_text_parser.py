@@ -211,11 +211,11 @@ def test_plain_content_is_emitted_in_the_same_feed() -> None:
     assert parser.feed("a | b > c") == [ContentDelta("a | b > c")]
 
 
-def test_unknown_channel_is_content_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_channel_is_reasoning_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     parser = HarmonyTextParser()
     with caplog.at_level(logging.WARNING, logger="harmony_gateway.harmony.text_parser"):
         events = feed_all(parser, ["<|channel|>thoughts<|message|>hmm<|end|>"])
-    assert events == [ContentDelta("hmm"), Terminated("eos")]
+    assert events == [ReasoningDelta("hmm"), Terminated("eos")]
     assert parser.stats.unknown_channels == 1
     assert parser.stats.channel_messages == {UNKNOWN_CHANNEL: 1}
     assert "thoughts" in caplog.text

@@ -159,8 +159,7 @@ def test_recipient_with_leaked_control_text() -> None:
     "junk",
     [
         "<|message|><|message|>this is not harmony<|start|><|start|><|end|><|end|><|return|>",
-        "<|channel|>final<|message|>half<|message|>more<|return|>",
-        "<|channel|>final<|message|>x<|start|>assistant<|return|>",
+        "<|start|><|start|><|end|>junk<|message|>",
     ],
 )
 def test_junk_is_upstream_bad_output(junk: str) -> None:
@@ -177,10 +176,24 @@ def test_junk_is_upstream_bad_output(junk: str) -> None:
     assert not any("<|" in text for text in seen)
 
 
-def test_junk_after_a_completed_message_ends_parsing_quietly() -> None:
+@pytest.mark.parametrize(
+    ("junk", "answer"),
+    [
+        ("<|channel|>final<|message|>half<|message|>more<|return|>", "half"),
+        ("<|channel|>final<|message|>x<|start|>assistant<|return|>", "x"),
+    ],
+)
+def test_control_token_inside_an_answer_keeps_the_text_before_it(junk: str, answer: str) -> None:
+    p, events = parse(ids(junk))
+    assert [m.text for m in p.messages if m.kind == tp.ANSWER and m.text] == [answer]
+    assert p.recoveries == {tp.RECOVERED_CONTROL_IN_CONTENT: 1}
+    assert not any(t and "<|" in t for _, _, t in events)
+
+
+def test_junk_after_a_completed_message_is_skipped() -> None:
     p, _ = parse(ids(ANALYSIS + "<|message|><|message|>junk<|end|>"))
     assert kinds(p) == [(tp.REASONING, "Thinking it over.")]
-    assert p.halted and p.parse_error
+    assert p.parse_error and p.recoveries
 
 
 def test_unterminated_message_at_end_of_output() -> None:

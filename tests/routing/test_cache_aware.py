@@ -225,3 +225,32 @@ def test_selection_cost_is_linear_and_small() -> None:
         policy.select(workers, r)
     per_select = (time.perf_counter() - started) / 200
     assert per_select < 0.005, f"{per_select * 1e6:.0f} us per 8000-token select"
+
+
+def test_prompt_cache_key_sticks_below_the_prefix_threshold() -> None:
+    """Requests sharing a `prompt_cache_key` share a worker even when their prompts share little."""
+    policy = CacheAwarePolicy(cache_threshold=0.9)
+    workers = make_workers(4)
+    first = policy.select(workers, RoutingRequest("m", ids(50), cache_key="session-1"))
+    for _ in range(20):
+        chosen = policy.select(workers, RoutingRequest("m", ids(50), cache_key="session-1"))
+        assert chosen is first
+    spread = {policy.select(workers, RoutingRequest("m", ids(50), cache_key=f"s{i}")).id for i in range(40)}
+    assert len(spread) > 1  # other keys still spread
+
+
+def test_prompt_cache_key_yields_to_imbalance_and_unavailability() -> None:
+    policy = CacheAwarePolicy()
+    hot, cold = make_worker("hot"), make_worker("cold", in_flight=1)
+    assert policy.select([hot, cold], RoutingRequest("m", ids(10), cache_key="k")) is hot
+    hot.in_flight = 40
+    assert policy.select([hot, cold], RoutingRequest("m", ids(10), cache_key="k")) is cold
+    assert policy.select([cold], RoutingRequest("m", ids(10), cache_key="k")) is cold
+
+
+def test_prompt_cache_keys_are_bounded() -> None:
+    policy = CacheAwarePolicy(max_cache_keys=3)
+    workers = make_workers(2)
+    for i in range(10):
+        policy.select(workers, RoutingRequest("m", ids(5), cache_key=f"k{i}"))
+    assert list(policy._keys) == ["k7", "k8", "k9"]

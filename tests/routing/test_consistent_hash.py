@@ -83,3 +83,20 @@ def test_placement_follows_worker_urls_not_process_local_ids() -> None:
     policy_here, policy_there = ConsistentHashPolicy(), ConsistentHashPolicy()
     here_urls = {k: policy_here.select(here, keyed(k)).url for k in KEYS}
     assert {k: policy_there.select(there, keyed(k)).url for k in KEYS} == here_urls
+
+
+def test_prompt_cache_key_wins_over_the_routing_key() -> None:
+    from harmony_gateway.routing import RoutingRequest
+    from harmony_gateway.routing.consistent_hash import ConsistentHashPolicy
+
+    from ._fakes import make_workers
+
+    policy = ConsistentHashPolicy(seed=1)
+    workers = make_workers(8)
+    chosen = {
+        policy.select(workers, RoutingRequest("m", [1], routing_key=f"user-{i}", cache_key="session")).id
+        for i in range(30)
+    }
+    assert len(chosen) == 1
+    alone = policy.select(workers, RoutingRequest("m", [1], routing_key="session"))
+    assert chosen == {alone.id}  # the same ring position as the key itself

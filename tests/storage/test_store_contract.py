@@ -571,3 +571,29 @@ async def test_two_stores_on_one_database(sql_backend: Backend) -> None:
     for batch in batches:
         first_position = positions[batch[0]["id"]]
         assert [positions[i["id"]] for i in batch] == [first_position, first_position + 1, first_position + 2]
+
+
+# -- gateway values ----------------------------------------------------------------------------
+
+
+async def test_values_put_get_expire_and_purge(store: Store) -> None:
+    key = rid("value")
+    now = time.time()
+    assert await store.get_value(key, now=now) is None
+    await store.put_value(key, {"text": "a"}, expires_at=now + 60)
+    assert await store.get_value(key, now=now) == {"text": "a"}
+    assert await store.get_value(key, now=now + 61) is None  # expired
+    await store.put_value(key, {"text": "b"})  # replaced, no expiry
+    assert await store.get_value(key, now=now + 10_000) == {"text": "b"}
+    short = rid("value")
+    await store.put_value(short, {"x": 1}, expires_at=now - 1)
+    await store.purge_expired(now)
+    assert await store.get_value(short, now=now - 10) is None  # deleted, not merely hidden
+    assert await store.get_value(key, now=now) == {"text": "b"}
+
+
+async def test_add_value_keeps_the_first_writer(store: Store) -> None:
+    key = rid("secret")
+    results = await asyncio.gather(*(store.add_value(key, {"n": i}) for i in range(5)))
+    assert len({r["n"] for r in results}) == 1
+    assert await store.get_value(key, now=time.time()) == results[0]

@@ -44,6 +44,19 @@ SCRIPTS: dict[str, str] = {
         '{"city":"Paris"}<|call|>'
     ),
     "[[plain]]": "Just plain text with no markers at all.",
+    # Malformed shapes of real gpt-oss output (the answer is "Done." whenever there is one).
+    "[[bad_header]]": (
+        "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|channel|>––commentary<|message|>Hidden.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    ),
+    "[[doubled_start]]": (
+        "<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|start|>assistant<|channel|>final"
+        "<|message|>Done.<|return|>"
+    ),
+    "[[stray_text]]": (
+        "<|channel|>analysis<|message|>Hmm.<|end|>Hidden.<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+    ),
+    "[[return_after_analysis]]": "<|channel|>analysis<|message|>Hmm.<|return|>",
     "[[think]]": "<think>Hmm, a greeting.</think>Plain answer.",
     "[[midstream]]": "<|channel|>analysis<|message|>Some reasoning that breaks",
     "[[long]]": "",

@@ -21,6 +21,7 @@ DELTAS = {
     "response.function_call_arguments.delta": "response.function_call_arguments.done",
     "response.mcp_call_arguments.delta": "response.mcp_call_arguments.done",
     "response.code_interpreter_call_code.delta": "response.code_interpreter_call_code.done",
+    "response.custom_tool_call_input.delta": "response.custom_tool_call_input.done",
 }
 TERMINAL = {"response.completed", "response.incomplete", "response.failed", "error"}
 

@@ -26,9 +26,10 @@ Where output starts:
   window's text is held back while undecided, so a slow decision costs latency, not correctness.
 
 Classification per message (REFERENCE §3.1): any `to=` recipient, on any channel, is a tool call;
-otherwise `analysis` is reasoning, and `final`, recipient-less `commentary` (a preamble), a missing
-channel and an unknown channel are content (unknown ones are logged and counted). Messages authored by
-a role other than assistant (a hallucinated tool reply) are dropped and counted as parse errors.
+otherwise `final`, recipient-less `commentary` (a preamble) and a missing channel (a refusal) are
+content, while `analysis` and any unknown channel (junk in a header, `––commentary`) are reasoning
+(unknown ones are logged and counted). Text between messages is skipped and counted. Messages authored
+by a role other than assistant (a hallucinated tool reply) are dropped and counted as parse errors.
 `<|end|>` closes a message; `<|return|>` / `<|call|>` end the stream; later text is counted in
 `trailing_ignored_chars` and otherwise ignored (trap 3).
 
@@ -498,6 +499,8 @@ class HarmonyTextParser(_Emitter):
         self._tool_index = -1
         self._next_tool_index = 0
         self._seen_final = False
+        #: A message was opened: text between messages from now on is stray, not a headerless message.
+        self._had_message = False
         # The open header.
         self._role_text = ""
         self._channel_text = ""
@@ -724,7 +727,13 @@ class HarmonyTextParser(_Emitter):
                 elif state is ParserState.AwaitStart:
                     seg = buf[pos:limit]
                     pos += len(seg) - len(seg.lstrip())
-                    if pos < limit:
+                    if pos < limit and self._had_message:
+                        # Text between messages (after <|end|>): no header says what it is, so it is
+                        # skipped up to the next marker, as the token-level parser does.
+                        self.stats.parse_errors += 1
+                        logger.debug("skipping text between messages")
+                        pos = limit
+                    elif pos < limit:
                         self._begin_message(None, None)
                         continue
                 else:
@@ -739,6 +748,9 @@ class HarmonyTextParser(_Emitter):
             if marker is None:
                 if state in _BODY_STATES:
                     self._emit_text(self._kind, "<|", self._tool_index)
+                    pos = i + 2
+                elif state is ParserState.AwaitStart and self._had_message:
+                    self.stats.parse_errors += 1
                     pos = i + 2
                 elif state is ParserState.AwaitStart:
                     self._begin_message(None, None)
@@ -776,7 +788,7 @@ class HarmonyTextParser(_Emitter):
             self._reset_header(ParserState.Header)
         elif marker == CHANNEL:
             self._reset_header(ParserState.Channel)
-        elif marker == MESSAGE:
+        elif marker == MESSAGE and not self._had_message:
             self._begin_message(None, None)
         elif marker == RETURN or marker == CALL:
             # e.g. <|end|><|return|> (vllm#50690): a normal ending, not an error.
@@ -861,6 +873,7 @@ class HarmonyTextParser(_Emitter):
 
     def _begin_message(self, channel: str | None, recipient: str | None, role: str = "assistant") -> None:
         stats = self.stats
+        self._had_message = True
         if role != "assistant":
             stats.parse_errors += 1
             logger.warning("dropping a message authored by %r in model output", role[:64])
@@ -874,7 +887,8 @@ class HarmonyTextParser(_Emitter):
         else:
             key = UNKNOWN_CHANNEL
             stats.unknown_channels += 1
-            logger.warning("unknown Harmony channel %r; treating its text as content", channel[:64])
+            stats.parse_errors += 1
+            logger.warning("unknown Harmony channel %r; treating its text as reasoning", channel[:64])
         stats.channel_messages[key] += 1
         if channel == "final":
             self._seen_final = True
@@ -887,7 +901,9 @@ class HarmonyTextParser(_Emitter):
             self._kind = ToolCallArgumentsDelta
             self._state = ParserState.ToolCall
         else:
-            self._kind = ReasoningDelta if channel == "analysis" else ContentDelta
+            # Junk in a header (`––commentary`) or an invented channel is never answer text.
+            answer = channel is None or channel == "final" or channel == "commentary"
+            self._kind = ContentDelta if answer else ReasoningDelta
             self._state = ParserState.MessageContent
 
     def _close_message(self) -> None:

@@ -8,8 +8,12 @@ state into events, decided per token and identically for streaming and non-strea
 - `(DONE, msg, None)` when the message is terminated (or closed at end of stream).
 
 Recoverable quirks of real gpt-oss output are tolerated: tokens after a completed message (vllm#50690),
-refusals without `<|message|>` (harmony#80), bare recipients. Output that is not Harmony at all raises
-`UpstreamBadOutput` before any special-token text can reach a client.
+refusals without `<|message|>` (harmony#80), bare recipients. Malformed spans (a doubled
+`<|start|>assistant`, text between messages, a control token inside a message, junk in a header) close the
+message they interrupt with what it had, and parsing resumes at the next `<|start|>`; each recovery is
+counted by kind in `recoveries`. Text on a channel other than analysis/commentary/final is reasoning, never
+answer text. Output from which nothing usable was parsed raises `UpstreamBadOutput` when it ends, so no
+special-token text ever reaches a client.
 """
 
 from __future__ import annotations
@@ -67,6 +71,15 @@ _F_CHANNEL = 3  # after <|channel|>: the channel name, then <|message|>
 _F_CONTENT = 4  # message text, until <|end|>, <|return|> or <|call|>
 _F_STOPPED = 5  # after <|return|>/<|call|>, or after `finish`: anything more falls back
 _MAX_CHANNEL_TOKENS = 4
+_KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
+
+# Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of harmony_channel_parse_errors_total).
+RECOVERED_HEADER = "broken_header"  # a header openai-harmony rejects (doubled <|start|>assistant, junk)
+RECOVERED_STRAY_TEXT = "stray_text"  # tokens between messages, skipped up to the next <|start|>
+RECOVERED_CONTROL_IN_CONTENT = "control_token_in_content"  # a control token where text was expected
+RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not analysis/commentary/final
+# Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
+# not the final answer, or analysis/commentary written after the final answer.
 
 
 def new_call_id() -> str:
@@ -211,6 +224,13 @@ class HarmonyOutputParser:
         #: Tokens ignored after the output stopped being parseable (trailing quirks); for metrics and logs.
         self.ignored_tokens = 0
         self.parse_error: str | None = None
+        #: Malformed spans recovered from, by kind (`RECOVERED_*`), and messages out of the expected order.
+        self.recoveries: dict[str, int] = {}
+        self.unexpected_order = 0
+        #: Skipping tokens up to the next <|start|> after a malformed span.
+        self._resync = False
+        self._stopped = False
+        self._seen_final = False
         # Streaming fast path: canonical output is parsed here, token by token, in pure Python; at the first
         # token it does not handle, the tokens seen so far are replayed into openai-harmony's parser, which
         # takes over (`_fall_back`). Proven identical by tests/harmony/test_token_parser_stream_fast_path.py.
@@ -246,9 +266,22 @@ class HarmonyOutputParser:
             return ParsedMessage(REASONING, channel, None, None)
         if channel == "commentary":
             return ParsedMessage(PREAMBLE, channel, None, None)
+        if channel is not None and channel not in _KNOWN_CHANNELS:
+            # Junk in the header (`––commentary`, harmony#38) or an invented channel: not the answer.
+            self._recovered(RECOVERED_UNKNOWN_CHANNEL, f"unknown channel {channel!r}")
+            return ParsedMessage(REASONING, channel, None, None)
         return ParsedMessage(ANSWER, channel, None, None)
 
+    def _recovered(self, kind: str, reason: str) -> None:
+        self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
+        if self.parse_error is None:
+            self.parse_error = reason
+
     def _start(self, msg: ParsedMessage, events: list[Event]) -> None:
+        if msg.channel == "final" and msg.kind == ANSWER:
+            self._seen_final = True
+        elif self._seen_final and msg.kind in (REASONING, PREAMBLE):
+            self.unexpected_order += 1
         if msg.kind == FUNCTION_CALL:
             msg.call_index = self.calls
             msg.call_id = new_call_id()
@@ -270,6 +303,10 @@ class HarmonyOutputParser:
                 events.append((DELTA, msg, rest))
         msg.terminated = terminator is not None
         msg.terminator = terminator
+        if terminator == RETURN:
+            self._stopped = True
+        if terminator == RETURN and msg.kind not in (ANSWER, PREAMBLE):
+            self.unexpected_order += 1  # vllm#46464: <|return|> right after an analysis message
         if msg.kind == REASONING:
             self.reasoning_tokens += msg.tokens
         events.append((DONE, msg, None))
@@ -281,8 +318,40 @@ class HarmonyOutputParser:
         """Stop parsing. Fatal only when nothing usable was produced: output that is not Harmony."""
         self._halted = True
         self.parse_error = reason
-        if self._completed == 0:
+        if not self.usable:
             raise UpstreamBadOutput(f"the model output is not valid Harmony ({reason})")
+
+    @property
+    def usable(self) -> bool:
+        """Some message carried text or a call: what a reply can be made of."""
+        return any(
+            m.kind in (FUNCTION_CALL, TOOL_CALL) or (m.kind != DROPPED and m.text) for m in self.messages
+        )
+
+    def _recover(self, kind: str, reason: str, token: int, events: list[Event]) -> list[int]:
+        """Close what a malformed span interrupted and resume at the next message boundary: a `<|start|>`
+        inside the header being read (a doubled `<|start|>assistant`), or `token` itself when it is one;
+        otherwise skip tokens until the next `<|start|>`. Returns the tokens to feed again."""
+        self._drop_open(events)
+        self._recovered(kind, reason)
+        header = self._header_ids
+        replay: list[int] = []
+        role = None
+        if token == START_TOKEN:
+            replay = [token]
+        elif token == CHANNEL and not header:
+            replay = [token]  # a header without its `<|start|>assistant`: the text parser reads it too
+            role = Role.ASSISTANT
+        else:
+            for i in range(len(header) - 1, 0, -1):
+                if header[i] == START_TOKEN:
+                    replay = [*header[i:], token]
+                    break
+        self._header_ids = []
+        self._header_tokens = 0
+        self._streamable = StreamableParser(self._encoding, role, strict=False)
+        self._resync = not replay
+        return replay
 
     @property
     def _parser(self) -> StreamableParser:
@@ -447,13 +516,28 @@ class HarmonyOutputParser:
         parser = self._parser
         for token in token_ids:
             self.output_tokens += 1
+            if self._stopped:
+                self.ignored_tokens += 1  # text after the end (vllm#50690): the reply is over
+                continue
+            if self._resync:
+                if token == CHANNEL:
+                    self._streamable = parser = StreamableParser(self._encoding, Role.ASSISTANT, strict=False)
+                elif token != START_TOKEN:
+                    self.ignored_tokens += 1
+                    continue
+                self._resync = False
             try:
                 parser.process(token)
             except HarmonyError as exc:
-                self._drop_open(events)
-                self._halt(str(exc))
-                self.ignored_tokens += 1
-                break
+                kind = RECOVERED_STRAY_TEXT if parser.state == _STATE_EXPECT_START else RECOVERED_HEADER
+                replay = self._recover(kind, str(exc), token, events)
+                if replay:
+                    self.output_tokens -= len(replay)  # counted again as they are fed
+                    events += self._feed_slow(replay)
+                else:
+                    self.ignored_tokens += 1
+                parser = self._parser
+                continue
             if token < FIRST_SPECIAL_ID:
                 if self._in_content:
                     # `_in_content` implies an open message; no assert on this per-token path.
@@ -470,11 +554,19 @@ class HarmonyOutputParser:
             state = parser.state
             if state == _STATE_CONTENT:
                 if self._in_content:
-                    # A special token swallowed as text: the output is not Harmony. Fail before any
-                    # delta carrying special-token text is sent (SMG streams `<|message|>` here).
-                    self._drop_open(events)
-                    self._halt(f"control token {token} inside message content")
-                    break
+                    # A control token swallowed as text: close the message with the text it had (no
+                    # special-token text is ever emitted) and resume at the next message.
+                    replay = self._recover(
+                        RECOVERED_CONTROL_IN_CONTENT,
+                        f"control token {token} inside message content",
+                        token,
+                        events,
+                    )
+                    if replay:
+                        self.output_tokens -= len(replay)  # counted again as they are fed
+                        events += self._feed_slow(replay)
+                    parser = self._parser
+                    continue
                 if token == MESSAGE:
                     role = parser.current_role
                     msg = self.classify(
@@ -514,13 +606,18 @@ class HarmonyOutputParser:
         once. Parsed from our own header ids: openai-harmony 0.0.8 drops such a message when it is not the
         first one, and puts recipient and content type into the text when it is."""
         header = self._header_ids
+        for i in range(len(header) - 1, 0, -1):
+            if header[i] == START_TOKEN:  # a doubled `<|start|>assistant`: the last one opens the message
+                self._recovered(RECOVERED_HEADER, "doubled <|start|> in a message header")
+                del header[:i]
+                break
         junk = any(t >= FIRST_SPECIAL_ID and t not in _HEADER_SPECIALS for t in header)
         role, channel, recipient, content_type, text = split_header_only(self._encoding.decode(header))
         tokens = self._header_tokens + (terminator is not None)
         self._header_tokens = 0
         header.clear()
         if junk or has_special_text(text):
-            self._halt("control-token text inside a message header")
+            self._recovered(RECOVERED_HEADER, "control-token text inside a message header")
             return
         if terminator is None and not text:
             return  # a header cut by the end of output: nothing was said
@@ -537,7 +634,15 @@ class HarmonyOutputParser:
         self._in_content = False
 
     def finish(self) -> list[Event]:
-        """Close an unterminated message (the engine stopped for length, or stripped the stop token)."""
+        """Close an unterminated message (the engine stopped for length, or stripped the stop token).
+        Raises `UpstreamBadOutput` when the output had malformed spans and nothing usable."""
+        events = self._finish()
+        if self.recoveries and not self._halted and not self.usable:
+            self._halted = True
+            raise UpstreamBadOutput(f"the model output is not valid Harmony ({self.parse_error})")
+        return events
+
+    def _finish(self) -> list[Event]:
         events: list[Event] = []
         if self._halted:
             return events

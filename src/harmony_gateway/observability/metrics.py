@@ -147,6 +147,12 @@ class GatewayMetrics:
         self.harmony_requests = Counter(
             "harmony_requests_total", "Requests served by a Harmony model", registry=r
         )
+        self.unbacked_tools_dropped = Counter(
+            "gateway_unbacked_tools_dropped_total",
+            "Hosted tools left out of a prompt because nothing on the gateway backs them",
+            ["type"],
+            registry=r,
+        )
         self.harmony_reasoning_budget_exceeded = Counter(
             "harmony_reasoning_budget_exceeded_total",
             "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
@@ -162,15 +168,18 @@ class GatewayMetrics:
             ["channel"],
             registry=r,
         )
-        # Text-level channel parser (HTTP upstreams, non-Harmony models), fed from `ParserStats`.
+        # Recoveries of the token-level parser (by kind) and of the text-level one (HTTP upstreams,
+        # non-Harmony models; kind "text", fed from `ParserStats`).
         self.harmony_channel_unexpected_order = Counter(
             "harmony_channel_unexpected_order_total",
-            "Analysis/commentary messages parsed from text after a final answer",
+            "Messages out of the expected order: analysis/commentary after a final answer, or a reply ended "
+            "by <|return|> on a message that is not the answer",
             registry=r,
         )
         self.harmony_channel_parse_errors = Counter(
             "harmony_channel_parse_errors_total",
-            "Malformed spans in text output (dropped markers, salvaged headers, bad tool-call blocks)",
+            "Malformed spans in model output the parsers recovered from, by kind",
+            ["kind"],
             registry=r,
         )
         self.harmony_marker_fallback = Counter(
@@ -232,6 +241,12 @@ class GatewayMetrics:
         errors = sum(1 for p in parsers if p.parse_error is not None)
         if errors:
             self.harmony_parsing_errors.inc(errors)
+        for parser in parsers:
+            for kind, count in getattr(parser, "recoveries", {}).items():
+                self.harmony_channel_parse_errors.labels(kind).inc(count)
+            unexpected = getattr(parser, "unexpected_order", 0)
+            if unexpected:
+                self.harmony_channel_unexpected_order.inc(unexpected)
 
     def observe_text_stats(self, stats: Iterable[Any]) -> None:
         """Record the `ParserStats` of one request's text-level output parsers."""
@@ -241,7 +256,7 @@ class GatewayMetrics:
             if st.unexpected_order:
                 self.harmony_channel_unexpected_order.inc(st.unexpected_order)
             if st.parse_errors:
-                self.harmony_channel_parse_errors.inc(st.parse_errors)
+                self.harmony_channel_parse_errors.labels("text").inc(st.parse_errors)
             if st.marker_fallbacks:
                 self.harmony_marker_fallback.labels("marker").inc(st.marker_fallbacks)
             if st.passthrough_fallbacks:

@@ -30,7 +30,12 @@ levels); else `adaptive` → medium; thinking disabled or absent → low. `budge
 budget (pipeline/reasoning_budget.py). Thinking blocks are returned only when thinking is enabled or
 adaptive: clients that did not ask for thinking often read `content[0].text`.
 
-Output: analysis → `thinking` blocks (with an opaque `signature`, never verified when sent back), final
+Reasoning across tool turns: an assistant turn with `tool_use` blocks sent back without its `thinking`
+gets the analysis the gateway produced for it restored, found by the tool_use ids it issued
+(`reasoning_store`); thinking blocks the client sends always win.
+
+Output: analysis → `thinking` blocks (with a `signature`: HMAC-SHA256 of the text under the gateway's
+reasoning key, so the gateway can verify a block it produced; a block is rendered either way), final
 and preamble text → `text` blocks, function calls → `tool_use` blocks (`toolu_...`, `input` parsed from
 the arguments; arguments that are not a JSON object give `input: {}` and a warning in the log). A call's
 arguments are streamed as one `input_json_delta` when the call is complete, because the SDK parses every
@@ -44,8 +49,8 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -72,6 +77,7 @@ from ..harmony.messages import (
 )
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
+from .hosted_tools import note_dropped_tool
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from .prepare import (
     apply_tool_choice,
@@ -83,6 +89,7 @@ from .prepare import (
     tool_call_constraint,
 )
 from .reasoning_budget import budget_exceeded
+from .reasoning_store import reasoning_vault, recall_analyses, turn_remembering
 from .run import _chain, _open_stream
 from .text_output import TextChoiceOutput, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
@@ -191,8 +198,12 @@ def _arguments_json(value: Any) -> str:
     return json.dumps(value if value is not None else {}, ensure_ascii=False, separators=(",", ":"))
 
 
-def anthropic_history(request: CountTokensRequest) -> tuple[str | None, list[Msg]]:
-    """Messages → (instructions, Harmony history), after the analysis drop rule (REFERENCE §2.5)."""
+def anthropic_history(
+    request: CountTokensRequest, restored: dict[int, str] | None = None
+) -> tuple[str | None, list[Msg]]:
+    """Messages → (instructions, Harmony history), after the analysis drop rule (REFERENCE §2.5).
+    `restored` maps an assistant message's index to the analysis to render when it has no thinking of
+    its own (`restorable_turns`)."""
     tool_names: dict[str, str] = {}
     for message in request.messages:
         if message.role == "assistant" and isinstance(message.content, list):
@@ -219,8 +230,28 @@ def anthropic_history(request: CountTokensRequest) -> tuple[str | None, list[Msg
         if message.role == "user":
             _user_message(message.content, tool_names, history, param=param)
         else:
-            _assistant_message(message.content, history, param=param)
+            _assistant_message(message.content, history, param=param, restored=(restored or {}).get(i))
     return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def restorable_turns(request: CountTokensRequest) -> dict[int, list[str]]:
+    """Assistant turns with `tool_use` blocks and no thinking after the last final answer, by index, with
+    the call ids the gateway issued for them (`toolu_X` was `call_X`)."""
+    turns: dict[int, list[str]] = {}
+    for i, message in enumerate(request.messages):
+        if message.role != "assistant":
+            continue
+        blocks = message.content if isinstance(message.content, list) else []
+        uses: list[str] = [
+            b["id"] for b in blocks if b.get("type") == "tool_use" and isinstance(b.get("id"), str)
+        ]
+        if not uses:
+            if message.content if isinstance(message.content, str) else any(b.get("text") for b in blocks):
+                turns.clear()  # a final answer: the analysis before it is dropped
+            continue
+        if not any(b.get("type") in ("thinking", "redacted_thinking") for b in blocks):
+            turns[i] = ["call_" + u[6:] if u.startswith("toolu_") else u for u in uses]
+    return turns
 
 
 def _user_message(
@@ -286,12 +317,16 @@ def _assistant_blocks(
     return thinking, texts, calls
 
 
-def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], *, param: str) -> None:
+def _assistant_message(
+    content: str | list[dict[str, Any]], history: list[Msg], *, param: str, restored: str | None = None
+) -> None:
     if isinstance(content, str):
         if content:
             history.append(assistant(content, "final"))
         return
     thinking, texts, calls = _assistant_blocks(content, param=param)
+    if not thinking and calls and restored:
+        thinking = [restored]
     # The order the model generates: analysis, preamble, calls (REFERENCE §2.3).
     history.extend(assistant(text, "analysis") for text in thinking)
     if texts:
@@ -299,9 +334,16 @@ def _assistant_message(content: str | list[dict[str, Any]], history: list[Msg], 
     history.extend(assistant_call("functions." + name, arguments) for _, name, arguments in calls)
 
 
-def anthropic_tools(request: CountTokensRequest) -> list[FunctionTool]:
+def anthropic_tools(
+    request: CountTokensRequest, *, unbacked: str = "reject", metrics: Any = None
+) -> list[FunctionTool]:
+    """Function tools of the request. Server tools (a versioned `type`) have no backing here: with
+    `unbacked="drop"` (`--unbacked-tools`) they are left out, logged once and counted, else 400."""
     tools: list[FunctionTool] = []
     for i, tool in enumerate(request.tools or []):
+        if tool.type not in (None, "custom") and unbacked == "drop":
+            note_dropped_tool(tool.type, metrics)
+            continue
         if tool.type not in (None, "custom"):
             raise InvalidRequest(
                 f"tool type {tool.type!r} is an Anthropic server tool, which this gateway cannot run; "
@@ -426,6 +468,8 @@ def messages_as_chat(request: CountTokensRequest) -> ChatCompletionRequest:
 class MessagesPlan:
     prepared: PreparedRequest
     show_thinking: bool
+    #: Signs a thinking block's text (`ReasoningVault.sign`).
+    sign: Callable[[str], str] = field(default=lambda text: thinking_signature(text))
 
 
 async def prepare_messages(
@@ -439,8 +483,9 @@ async def prepare_messages(
         return MessagesPlan(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
         )
-    tools = anthropic_tools(request)
-    instructions, history = anthropic_history(request)
+    tools = anthropic_tools(request, unbacked=state.settings.unbacked_tools, metrics=state.metrics)
+    restored = await recall_analyses(state, restorable_turns(request))
+    instructions, history = anthropic_history(request, restored)
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
     input_ids = await render_harmony(state, prefix, history)
     full = request if isinstance(request, MessagesRequest) else None
@@ -469,18 +514,21 @@ async def prepare_messages(
         prefix=prefix,
         history=history,
         original_text="[harmony]",
+        after_turn=turn_remembering(state) if full is not None else None,
     )
     if full is not None and is_text_group(group):
         # An HTTP upstream: Harmony as text, read back by the text-level parser. A thinking budget
         # needs a gRPC engine; Claude Code always sends one, so it is dropped rather than refused.
         prepared.max_reasoning_tokens = None
         attach_harmony_upstream(state, prepared, messages_as_chat(full))
-    return MessagesPlan(prepared, show_thinking)
+    sign = (await reasoning_vault(state)).sign if full is not None and show_thinking else thinking_signature
+    return MessagesPlan(prepared, show_thinking, sign)
 
 
 # -- output: deltas → content blocks -----------------------------------------------------------------
 def thinking_signature(text: str) -> str:
-    """An opaque signature the SDK accepts. Not a proof of origin: the gateway ignores it on input."""
+    """An opaque signature the SDK accepts, for requests that never show thinking (count_tokens, other
+    models); shown thinking is signed with the gateway key (`ReasoningVault.sign`)."""
     digest = hashlib.sha256(text.encode()).digest()[:24]
     return "hg1." + base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
@@ -515,7 +563,8 @@ class MessageBlocks:
     closes with a `signature_delta`, a tool_use block with its whole arguments as one `input_json_delta`.
     """
 
-    def __init__(self, *, stream: bool) -> None:
+    def __init__(self, *, stream: bool, sign: Callable[[str], str] = thinking_signature) -> None:
+        self.sign = sign
         self.blocks: list[dict[str, Any]] = []
         self._stream = stream
         self._kind: str | None = None
@@ -596,7 +645,7 @@ class MessageBlocks:
         text = "".join(self._parts)
         stream = self._stream
         if kind == _THINKING:
-            signature = thinking_signature(text)
+            signature = self.sign(text)
             self.blocks.append({"type": "thinking", "thinking": text, "signature": signature})
             if stream:
                 delta = {"type": "signature_delta", "signature": signature}
@@ -697,7 +746,7 @@ async def run_messages(
     chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
     message_id = "msg_" + ctx.request_id
     if not request.stream:
-        blocks = MessageBlocks(stream=False)
+        blocks = MessageBlocks(stream=False, sign=plan.sign)
         async with contextlib.aclosing(chunks):
             async for chunk in _chain([first] if first is not None else [], chunks):
                 blocks.push(choice.feed(chunk))
@@ -705,6 +754,8 @@ async def run_messages(
                     break  # leaving the loop aborts the engine request
         blocks.push(choice.close())
         blocks.close()
+        if prepared.after_turn is not None:
+            await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
         reason, sequence = stop_reason(choice, prepared.stop_strings)
         usage = anthropic_usage(choice, prepared, ctx)
         ctx.completion_tokens = usage["output_tokens"]
@@ -718,7 +769,7 @@ async def run_messages(
             "stop_sequence": sequence,
             "usage": usage,
         }
-    return _stream_message(message_id, group.name, prepared, ctx, choice, chunks, first)
+    return _stream_message(message_id, group.name, prepared, ctx, choice, chunks, first, plan.sign)
 
 
 async def _stream_message(
@@ -729,9 +780,10 @@ async def _stream_message(
     choice: ChoiceOutput | TextChoiceOutput,
     chunks: AsyncIterator[EngineChunk],
     first: EngineChunk | None,
+    sign: Callable[[str], str] = thinking_signature,
 ) -> AsyncIterator[bytes]:
     """Anthropic's event protocol; an error after the headers becomes an `error` event."""
-    blocks = MessageBlocks(stream=True)
+    blocks = MessageBlocks(stream=True, sign=sign)
     async with contextlib.aclosing(chunks):
         try:
             prompt = (first.prompt_tokens if first is not None else 0) or len(prepared.input_ids)
@@ -764,6 +816,8 @@ async def _stream_message(
                 if choice.stop_hit:
                     break  # leaving the loop aborts the engine request
             tail = head + blocks.push(choice.close()) + blocks.close()
+            if prepared.after_turn is not None:
+                await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
             reason, sequence = stop_reason(choice, prepared.stop_strings)
             usage = anthropic_usage(choice, prepared, ctx)
             ctx.completion_tokens = usage["output_tokens"]

@@ -50,6 +50,8 @@ class RequestContext:
     route: str
     owner: str = ""
     routing_key: str | None = None
+    #: The request's `prompt_cache_key`: the routing key of `cache_aware` and `consistent_hash` when given.
+    prompt_cache_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
     model: str = ""
     worker: Worker | None = None
@@ -102,3 +104,6 @@ class PreparedRequest:
     output_adapter: Any = None
     #: Text-mode (HTTP) upstreams: the OpenAI request bodies to forward, by API.
     upstream_body: dict[str, dict[str, Any]] | None = None
+    #: Awaited with each finished choice before its last event is sent (keeps the analysis behind issued
+    #: tool calls restorable: `reasoning_store.turn_remembering`).
+    after_turn: Any = None

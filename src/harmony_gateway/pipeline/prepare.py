@@ -34,21 +34,34 @@ from ..harmony.messages import (
 )
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest
+from .reasoning_store import recall_analyses, turn_remembering
 
 SELECTION_TEXT_CHARS = 2000
 
 
-def conversation_date(state: GatewayState) -> str:
-    return state.settings.conversation_start_date or dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
+def conversation_date(state: GatewayState, started: str | None = None) -> str:
+    """The system message's date: the setting that pins it, else the date a Responses chain or conversation
+    started (`started`, so its prompt prefix stays byte-identical across midnight and keeps hitting the
+    engines' prefix caches), else today's UTC date."""
+    return state.settings.conversation_start_date or started or utc_date(dt.datetime.now(dt.UTC).timestamp())
+
+
+def utc_date(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%d")
 
 
 def system_options(
-    state: GatewayState, effort: str, *, browser: bool = False, python: bool = False
+    state: GatewayState,
+    effort: str,
+    *,
+    browser: bool = False,
+    python: bool = False,
+    started: str | None = None,
 ) -> SystemOptions:
     s = state.settings
     return SystemOptions(
         effort=effort,
-        conversation_start_date=conversation_date(state),
+        conversation_start_date=conversation_date(state, started),
         model_identity=s.model_identity,
         knowledge_cutoff=s.knowledge_cutoff,
         browser_tool=browser,
@@ -197,9 +210,13 @@ def response_format_of(spec: dict[str, Any] | None, *, param: str, nested: bool)
     return ResponseFormat(name, str(body.get("description") or ""), json.dumps(schema, separators=(",", ":")))
 
 
-def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]]:
+def chat_history(
+    messages: Sequence[ChatMessage], restored: dict[int, str] | None = None
+) -> tuple[str | None, list[Msg]]:
     """Chat messages → (instructions, Harmony history). REFERENCE §2.3: leading system/developer
-    messages become the developer message's instructions; later ones a developer message in place."""
+    messages become the developer message's instructions; later ones a developer message in place.
+    `restored` maps an assistant message's index to the analysis to render when it has none of its own
+    (`restorable_turns`)."""
     call_names: dict[str, str] = {}
     for message in messages:
         for call in message.tool_calls or ():
@@ -223,7 +240,7 @@ def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]
         if role == "user":
             history.append(user(text_of(message.content, param=param)))
         elif role == "assistant":
-            reasoning = message.reasoning_content or message.reasoning
+            reasoning = message.reasoning_content or message.reasoning or (restored or {}).get(i)
             if reasoning:
                 history.append(assistant(reasoning, "analysis"))
             text = text_of(message.content, param=param, allow_refusal=True)
@@ -245,6 +262,30 @@ def chat_history(messages: Sequence[ChatMessage]) -> tuple[str | None, list[Msg]
                 )
             history.append(tool_result("functions." + name, text_of(message.content, param=param)))
     return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
+    """Assistant messages whose analysis the model still needs but the client did not send: tool-call turns
+    after the last final answer (older analysis is dropped anyway), by index, with their call ids."""
+    turns: dict[int, list[str]] = {}
+    for i, message in enumerate(messages):
+        if message.role != "assistant":
+            continue
+        if not message.tool_calls:
+            if text_of(message.content, param=f"messages[{i}].content", allow_refusal=True):
+                turns.clear()  # a final answer: the analysis before it is dropped
+            continue
+        if not (message.reasoning_content or message.reasoning):
+            turns[i] = [call.id for call in message.tool_calls]
+    return turns
+
+
+def prompt_cache_key_of(request: Any) -> str | None:
+    """The request's `prompt_cache_key` (accepted as an extra field by every OpenAI schema), if a string."""
+    value = getattr(request, "prompt_cache_key", None)
+    if value is None:
+        value = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
+    return value if isinstance(value, str) and value else None
 
 
 def selection_text(history: Sequence[Msg]) -> str:
@@ -360,7 +401,8 @@ async def prepare_chat(
         )
     effort = parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort")
     tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
-    instructions, history = chat_history(request.messages)
+    restored = await recall_analyses(state, restorable_turns(request.messages))
+    instructions, history = chat_history(request.messages, restored)
     response_format = response_format_of(request.response_format, param="response_format", nested=True)
     prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), (), response_format)
     input_ids = await render_harmony(state, prefix, history)
@@ -386,4 +428,5 @@ async def prepare_chat(
         prefix=prefix,
         history=history,
         original_text="[harmony]",
+        after_turn=turn_remembering(state),
     )

@@ -55,21 +55,26 @@ from ..mcp.tool_loop import (
 )
 from ..storage.base import StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
+from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
+from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
     apply_tool_choice,
     forces_tool_call,
     output_constraint,
+    prompt_cache_key_of,
     render_harmony,
     response_format_of,
     sampling_options,
     selection_text,
     system_options,
     token_budget,
+    utc_date,
 )
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
+from .reasoning_store import vault_for, wants_encrypted_reasoning
 from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder, usage_of
@@ -81,6 +86,8 @@ log = logging.getLogger(__name__)
 #: Private `StoredResponse.metadata` key: the id of the first response of a `previous_response_id`
 #: chain, inherited by every later one, so the whole chain routes by one key (never sent to clients).
 ROOT_KEY = "_root"
+#: Private `StoredResponse.metadata` key: the system message date of the chain's first turn, inherited.
+DATE_KEY = "_date"
 
 #: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
 CLOSE_TIMEOUT = 5.0
@@ -118,12 +125,20 @@ class ResponsePlan:
     parsers: list[tp.HarmonyOutputParser] = field(default_factory=list)
     #: The first response of this response's `previous_response_id` chain (its own id if it starts one).
     chain_root: str | None = None
+    #: With `include: ["reasoning.encrypted_content"]`: seals each reasoning item's text (the builder's
+    #: `seal_reasoning` hook).
+    seal_reasoning: Callable[[str], str] | None = None
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""
         if self.tools is not None:
             tools, self.tools = self.tools, None
             await tools.aclose()
+
+
+async def conversation_started(store: Any, conversation_id: str, owner: str) -> str | None:
+    conversation = await store.get_conversation(conversation_id, owner)
+    return utc_date(conversation.created_at) if conversation is not None else None
 
 
 def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]:
@@ -150,15 +165,20 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise InvalidRequest("tools must be objects", param=f"{param}[{i}]")
+        if tool is DROPPED_TOOL:
+            continue
         kind = tool.get("type")
         if not isinstance(kind, str):
             raise InvalidRequest("tools need a string 'type'", param=f"{param}[{i}].type")
         if (kind == "namespace" or kind in GATEWAY_TOOL_TYPES) and param == "tools":
             continue  # namespaces: client_namespaces(); gateway-executed tools: mcp/tool_loop.py
+        if kind in CLIENT_TOOL_KINDS and param == "tools":
+            out.append(client_tool(tool, f"{param}[{i}]"))  # custom (freeform) and local_shell
+            continue
         if kind != "function":
             raise InvalidRequest(
-                f"tool type {kind!r} is not supported on this gateway; use function, namespace, mcp, "
-                "web_search_preview or code_interpreter tools",
+                f"tool type {kind!r} is not supported on this gateway; use function, custom, local_shell, "
+                "namespace, mcp, web_search_preview or code_interpreter tools",
                 param=f"{param}[{i}].type",
             )
         name = tool.get("name")
@@ -262,16 +282,16 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
     group = state.fleet.group(req.model)
     ctx.model = group.name
+    ctx.prompt_cache_key = prompt_cache_key_of(req)
     if not group.harmony:
         raise InvalidRequest(
             f"the Responses API serves Harmony models; {group.name!r} is not one", param="model"
         )
     require_token_engine(group, "the Responses API", "use /v1/chat/completions or /v1/messages")
     effort = parse_reasoning_effort(req.reasoning.effort if req.reasoning else None, param="reasoning.effort")
-    requested = parse_gateway_tools(req.tools) if req.tool_choice != "none" else GatewayTools()
-    tools = apply_tool_choice(
-        function_tools(req.tools), function_tool_choice(req.tool_choice, bool(requested))
-    )
+    offered = offered_tools(req.tools, backed_builtins(state.mcp), state.settings.unbacked_tools, ctx.metrics)
+    requested = parse_gateway_tools(offered) if req.tool_choice != "none" else GatewayTools()
+    tools = apply_tool_choice(function_tools(offered), function_tool_choice(req.tool_choice, bool(requested)))
     namespaces = client_namespaces(req.tools) if req.tool_choice != "none" else []
     for spec in requested.mcp:
         if any(ns.name == spec.label for ns in namespaces):
@@ -283,6 +303,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
 
     # History: the previous_response_id chain, or the conversation's items.
     history: list[Msg] = []
+    started: str | None = None  # the date the chain or conversation started: the prompt keeps it
     known_items: list[dict[str, Any]] = []
     chain_root: str | None = None
     if req.previous_response_id:
@@ -297,6 +318,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             )
         # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
+        started = chain[-1].metadata.get(DATE_KEY) or utc_date(chain[0].created_at)
         for record in chain:
             history.extend(Msg.from_dict(d) for d in record.history)
             known_items.extend(record.input_items)
@@ -308,6 +330,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
         conversation_items = found
         known_items.extend(found)
+        started = await conversation_started(store, conversation_id, ctx.owner)
     call_names = call_names_of([*known_items, *items])
     by_id = {item.get("id"): item for item in known_items if item.get("id")}
 
@@ -331,12 +354,14 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         placeholders[decision.request_id] = placeholder
         approvals.append((decision, placeholder))
     extra_instructions: list[str] = []
+    vault = await vault_for(state, req.include, items, conversation_items)
     turn = items_to_messages(
         items,
         call_names,
         leading_instructions=extra_instructions,
         resolve_reference=resolve,
         mcp_replay=McpReplay(placeholders),
+        open_reasoning=vault.open if vault is not None else None,
     )
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
 
@@ -367,6 +392,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             effort,
             browser=loop is not None and loop.browser is not None,
             python=loop is not None and loop.python is not None,
+            started=started,
         )
         response_format = response_format_of(
             (req.text or {}).get("format"), param="text.format", nested=False
@@ -420,6 +446,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             approvals=approvals,
             uses_tools=loop is not None,
             chain_root=chain_root,
+            seal_reasoning=vault.seal
+            if vault is not None and wants_encrypted_reasoning(req.include)
+            else None,
         )
         if not approvals:
             await render_turn(state, plan)  # early: a prompt over the context is a 400, not a stream
@@ -435,11 +464,14 @@ def _generated_messages(parser: tp.HarmonyOutputParser) -> list[Msg]:
     for msg in parser.messages:
         if msg.kind == tp.DROPPED:
             continue
+        # Reasoning from an unknown channel or a broken header replays as plain analysis (so the drop rule
+        # applies to it), never with the junk channel name.
+        channel = "analysis" if msg.kind == tp.REASONING and not msg.recipient else msg.channel
         out.append(
             Msg(
                 "assistant",
                 msg.text,
-                channel=msg.channel,
+                channel=channel,
                 recipient=msg.recipient,
                 content_type=msg.content_type,
             )
@@ -695,6 +727,9 @@ def _observe_iterations(state: GatewayState, plan: ResponsePlan) -> None:
 
 def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = False) -> StoredResponse:
     metadata: dict[str, Any] = {ROOT_KEY: plan.chain_root} if plan.chain_root else {}
+    prefix = plan.prepared.prefix
+    if prefix is not None and prefix.options.conversation_start_date:
+        metadata[DATE_KEY] = prefix.options.conversation_start_date
     return StoredResponse(
         id=plan.response_id,
         owner=plan.owner,
@@ -750,6 +785,7 @@ async def run_responses(
         if req.background:
             return await start_background(state, plan, ctx)
         builder = ResponseBuilder(plan.envelope, stream=req.stream)
+        builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
         if req.stream:
             builder.start()
         # tool listings, approved calls, then the Harmony prompt
@@ -831,6 +867,7 @@ async def start_background(
     """Store the response as queued, start its task and return at once: the queued Response, or with
     `stream` the live events (the caller is one more subscriber; leaving does not stop the task)."""
     builder = ResponseBuilder(plan.envelope, stream=False, record=True)
+    builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
     feed = EventFeed(plan.response_id, state.store)
     queued = builder.snapshot("queued")
     builder.announce_created("queued")

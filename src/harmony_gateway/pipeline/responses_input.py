@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
+from .client_tools import LOCAL_SHELL, local_shell_arguments
 
 ITEM_PREFIXES = {
     "message": "msg",
@@ -23,6 +24,10 @@ ITEM_PREFIXES = {
     "mcp_approval_request": "mcpr",
     "mcp_approval_response": "mcpa",
     "web_search_call": "ws",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+    "local_shell_call": "lsh",
+    "local_shell_call_output": "lsho",
     "code_interpreter_call": "ci",
     "item_reference": "ref",
 }
@@ -113,6 +118,22 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 raise InvalidRequest(
                     "function_call_output 'output' must be a string or parts", param=f"{where}.output"
                 )
+        elif kind in ("custom_tool_call", "local_shell_call"):
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise InvalidRequest(f"{kind} items need a string 'call_id'", param=f"{where}.call_id")
+            if kind == "custom_tool_call":
+                if not isinstance(item.get("name"), str) or not item["name"]:
+                    raise InvalidRequest("custom_tool_call items need a 'name'", param=f"{where}.name")
+                if not isinstance(item.get("input", ""), str):
+                    raise InvalidRequest("custom_tool_call input must be a string", param=f"{where}.input")
+            item.setdefault("status", "completed")
+        elif kind in ("custom_tool_call_output", "local_shell_call_output"):
+            call_id = item.get("call_id") or (item.get("id") if kind == "local_shell_call_output" else None)
+            if not isinstance(call_id, str) or not call_id:
+                raise InvalidRequest(f"{kind} items need a string 'call_id'", param=f"{where}.call_id")
+            item["call_id"] = call_id
+            if not isinstance(item.get("output"), (str, list)):
+                raise InvalidRequest(f"{kind} 'output' must be a string or parts", param=f"{where}.output")
         elif kind == "mcp_approval_response":
             if not isinstance(item.get("approval_request_id"), str):
                 raise InvalidRequest(
@@ -154,11 +175,21 @@ def call_recipient(item: dict[str, Any]) -> str:
 
 def call_names_of(items: Iterable[dict[str, Any]]) -> dict[str, str]:
     """call_id → the recipient the call went to (its tool result is authored by that name)."""
-    return {
-        item["call_id"]: call_recipient(item)
-        for item in items
-        if item.get("type") == "function_call" and isinstance(item.get("call_id"), str)
-    }
+    names: dict[str, str] = {}
+    for item in items:
+        kind = item.get("type")
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            continue
+        if kind == "function_call":
+            names[call_id] = call_recipient(item)
+        elif kind == "custom_tool_call" and isinstance(item.get("name"), str):
+            names[call_id] = "functions." + item["name"]
+        elif kind == "local_shell_call":
+            names[call_id] = "functions." + LOCAL_SHELL
+            if isinstance(item.get("id"), str):
+                names[item["id"]] = "functions." + LOCAL_SHELL  # its output may name the item id
+    return names
 
 
 def items_to_messages(
@@ -169,9 +200,12 @@ def items_to_messages(
     leading_instructions: list[str] | None = None,
     resolve_reference: Any = None,
     mcp_replay: Any = None,
+    open_reasoning: Any = None,
 ) -> list[Msg]:
     """Map items to Harmony messages. Leading system/developer messages go to `leading_instructions`
-    when that list is given (they become the developer message's instructions)."""
+    when that list is given (they become the developer message's instructions). `open_reasoning(blob,
+    param=...)` decrypts a reasoning item's `encrypted_content` (`reasoning_store.ReasoningVault.open`);
+    without it such items render from their `content`."""
     messages: list[Msg] = []
     leading = leading_instructions is not None
     for i, item in enumerate(items):
@@ -203,11 +237,24 @@ def items_to_messages(
         leading = False
         if kind == "reasoning":
             texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
+            sealed = item.get("encrypted_content")
+            if sealed is not None and open_reasoning is not None:
+                # The sealed text is what the gateway produced; a changed blob is a 400, never ignored.
+                texts = [open_reasoning(sealed, param=f"{where}.encrypted_content")]
             if texts:
                 messages.append(assistant("\n".join(texts), "analysis"))
         elif kind == "function_call":
             messages.append(assistant_call(call_recipient(item), item.get("arguments") or ""))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            # Freeform input exactly as generated: no `<|constrain|>json`.
+            messages.append(
+                assistant_call("functions." + item["name"], item.get("input") or "", content_type=None)
+            )
+        elif kind == "local_shell_call":
+            messages.append(
+                assistant_call("functions." + LOCAL_SHELL, local_shell_arguments(item.get("action")))
+            )
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             name = call_names.get(item["call_id"])
             if name is None:
                 raise InvalidRequest(

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ..harmony import token_parser as tp
+from .client_tools import LOCAL_SHELL, client_tool_kinds, local_shell_action
 from .responses_input import new_id
 
 _dumps = orjson.dumps
@@ -91,6 +92,12 @@ class ResponseBuilder:
         #: Logprob entries of answer tokens not yet reported, by id(msg): they ride on that message's
         #: next `output_text.delta` (a token that ends inside a character has no text of its own).
         self._logprobs: dict[int, list[dict[str, Any]]] = {}
+        #: With `include: ["reasoning.encrypted_content"]`: seals a finished reasoning item's text into its
+        #: `encrypted_content` (`reasoning_store.ReasoningVault.seal`).
+        self.seal_reasoning: Callable[[str], str] | None = None
+        #: Custom (freeform) and local_shell tools of the request, read from the echoed `tools`.
+        self.client_tools = client_tool_kinds(envelope.get("tools"))
+        self._shell_calls: dict[int, tp.ParsedMessage] = {}
 
     # -- framing ----------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -174,7 +181,19 @@ class ResponseBuilder:
                 self._start(key, msg)
             elif etype == tp.DELTA:
                 item, index = self._open[key]
-                if kind == tp.FUNCTION_CALL:
+                if kind == tp.FUNCTION_CALL and item["type"] == "custom_tool_call":
+                    item["input"] += text
+                    self.emit(
+                        {
+                            "type": "response.custom_tool_call_input.delta",
+                            "item_id": item["id"],
+                            "output_index": index,
+                            "delta": text,
+                        }
+                    )
+                elif kind == tp.FUNCTION_CALL and item["type"] == "local_shell_call":
+                    pass  # the action is built from the whole call when it is done
+                elif kind == tp.FUNCTION_CALL:
                     item["arguments"] += text
                     self.emit(
                         {
@@ -234,7 +253,27 @@ class ResponseBuilder:
     def _start(self, key: int, msg: tp.ParsedMessage) -> None:
         kind = msg.kind
         item: dict[str, Any]
-        if kind == tp.FUNCTION_CALL:
+        if kind == tp.FUNCTION_CALL and msg.name in self.client_tools.custom:
+            item = {
+                "type": "custom_tool_call",
+                "id": new_id("ctc"),
+                "call_id": msg.call_id,
+                "name": msg.name,
+                "input": "",
+                "status": "in_progress",
+            }
+            index = self.open_item(item)
+        elif kind == tp.FUNCTION_CALL and msg.name == LOCAL_SHELL and self.client_tools.local_shell:
+            item = {
+                "type": "local_shell_call",
+                "id": new_id("lsh"),
+                "call_id": msg.call_id,
+                "action": local_shell_action(""),
+                "status": "in_progress",
+            }
+            self._shell_calls[key] = msg
+            index = self.open_item(item)
+        elif kind == tp.FUNCTION_CALL:
             item = {
                 "type": "function_call",
                 "id": new_id("fc"),
@@ -293,7 +332,19 @@ class ResponseBuilder:
             return
         item, index = entry
         item["status"] = status
-        if item["type"] == "function_call":
+        if item["type"] == "custom_tool_call":
+            self.emit(
+                {
+                    "type": "response.custom_tool_call_input.done",
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "input": item["input"],
+                }
+            )
+        elif item["type"] == "local_shell_call":
+            msg = self._shell_calls.pop(key, None)
+            item["action"] = local_shell_action(msg.text if msg is not None else "")
+        elif item["type"] == "function_call":
             self.emit(
                 {
                     "type": "response.function_call_arguments.done",
@@ -305,6 +356,8 @@ class ResponseBuilder:
             )
         elif item["type"] == "reasoning":
             part = item["content"][0]
+            if self.seal_reasoning is not None:
+                item["encrypted_content"] = self.seal_reasoning(part["text"])
             self.emit(
                 {
                     "type": "response.reasoning_text.done",

@@ -14,7 +14,7 @@ from ..errors import GatewayError, NoHealthyWorker
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
 from .parse_output import ChoiceOutput
-from .prepare import prepare_chat
+from .prepare import prepare_chat, prompt_cache_key_of
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .respond import ChatStreamWriter, chat_completion_body, chat_usage
 from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
@@ -68,6 +68,7 @@ async def run_chat(
     ctx.model = group.name
     if ctx.routing_key is None:
         ctx.routing_key = request.user  # consistent_hash keeps one user's turns on one KV cache
+    ctx.prompt_cache_key = prompt_cache_key_of(request)  # hook: prompt_cache_key routing
     prepared = await prepare_chat(state, request, group)
     if prepared.harmony and is_text_group(group):
         attach_harmony_upstream(state, prepared, request)  # an HTTP upstream: Harmony as text
@@ -95,6 +96,8 @@ async def run_chat(
                     break
         for choice in choices:
             choice.close()
+            if prepared.after_turn is not None:
+                await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
         usage = chat_usage(choices, len(prepared.input_ids))
         _note_budget(usage, prepared, ctx)
         ctx.completion_tokens = usage["completion_tokens"]
@@ -140,6 +143,8 @@ async def _stream_chat(
                 if (choice.finished or choice.stop_hit) and not emitted_finish[chunk.index]:
                     if choice.stop_hit:
                         out += writer.deltas(chunk.index, choice.close())
+                    if prepared.after_turn is not None:
+                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
                     emitted_finish[chunk.index] = True
                     out += writer.finish_chunk(chunk.index, choice.finish_reason)
                 if head:
@@ -152,6 +157,8 @@ async def _stream_chat(
             for choice in choices:
                 if not emitted_finish[choice.index]:
                     tail += writer.deltas(choice.index, choice.close())
+                    if prepared.after_turn is not None:
+                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
                     tail += writer.finish_chunk(choice.index, choice.finish_reason)
             if include_usage:
                 usage = chat_usage(choices, len(prepared.input_ids))

@@ -18,6 +18,7 @@ def routing_request(prepared: PreparedRequest, ctx: RequestContext) -> RoutingRe
         selection_text=prepared.selection_text,
         routing_key=ctx.routing_key,
         request_id=ctx.request_id,
+        cache_key=ctx.prompt_cache_key,
     )
 
 

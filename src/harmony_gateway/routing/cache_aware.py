@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import struct
+from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Literal
 
@@ -236,6 +237,12 @@ class CacheAwarePolicy(RoutingPolicy):
     3. Otherwise the worker with the fewest cached tokens wins (then fewest in flight), spreading
        new prefixes.
 
+    A request with a `prompt_cache_key` (`RoutingRequest.cache_key`) goes, unless load is imbalanced
+    (rule 1), to the worker that key was last sent to while it is available: the client promised that
+    requests sharing the key share their prefix, which holds even when the prefix is below the threshold
+    (a new agent session whose first turns are mostly the shared system prompt). The key map is bounded
+    (`max_cache_keys`, least recently used first).
+
     The prompt is then recorded under the chosen worker. `cache_key="tokens"` keys the tree on the
     prompt's token ids; `"selection-text"` on the characters of the last user message, for when ids
     differ per worker or the text is the better affinity signal. Each worker's share of the tree is
@@ -253,6 +260,7 @@ class CacheAwarePolicy(RoutingPolicy):
         balance_rel_threshold: float = 1.5,
         max_tree_size: int = 2**20,
         cache_key: CacheKey = "tokens",
+        max_cache_keys: int = 100_000,
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be between 0 and 1")
@@ -268,6 +276,9 @@ class CacheAwarePolicy(RoutingPolicy):
         self.max_tree_size = max_tree_size
         self.cache_key: CacheKey = cache_key
         self._tree = PrefixTree(unit=_ID_BYTES if cache_key == "tokens" else 1)
+        #: prompt_cache_key -> id of the worker it was last sent to (least recently used first).
+        self._keys: OrderedDict[str, str] = OrderedDict()
+        self.max_cache_keys = max_cache_keys
 
     def cached_tokens(self, worker: Worker) -> int:
         """Tokens (characters in selection-text mode) the tree records for the worker."""
@@ -276,13 +287,21 @@ class CacheAwarePolicy(RoutingPolicy):
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         candidates = available_workers(workers, request)
         key = self._key(request)
-        chosen = self._choose(candidates, key)
+        chosen = self._by_cache_key(candidates, request.cache_key) or self._choose(candidates, key)
         if key:
             self._record(key, chosen.id)
+        if request.cache_key:
+            self._keys[request.cache_key] = chosen.id
+            self._keys.move_to_end(request.cache_key)
+            if len(self._keys) > self.max_cache_keys:
+                self._keys.popitem(last=False)
         return chosen
 
     def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
-        return self._choose(available_workers(workers, request), self._key(request))
+        candidates = available_workers(workers, request)
+        return self._by_cache_key(candidates, request.cache_key) or self._choose(
+            candidates, self._key(request)
+        )
 
     def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int:
         """The longest prefix of the request's key any of `workers` is recorded to hold, in tokens
@@ -291,6 +310,19 @@ class CacheAwarePolicy(RoutingPolicy):
         if not key:
             return 0
         return self._tree.match(key, {w.id for w in workers})[0]
+
+    def _by_cache_key(self, candidates: list[Worker], cache_key: str | None) -> Worker | None:
+        worker_id = self._keys.get(cache_key) if cache_key else None
+        if worker_id is None:
+            return None
+        worker = next((w for w in candidates if w.id == worker_id), None)
+        if worker is None:
+            return None
+        least = min(w.in_flight for w in candidates)
+        most = max(w.in_flight for w in candidates)
+        if most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold:
+            return None  # rule 1 first: a skewed load is balanced even against the key
+        return worker
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._tree.remove_worker(worker.id)

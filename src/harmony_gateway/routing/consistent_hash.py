@@ -1,7 +1,7 @@
 """Consistent hashing: requests with the same routing key stick to one worker.
 
-Keys come from `RoutingRequest.routing_key` (session header, `user`, a Responses chain's root or
-conversation id). The ring is built over worker URLs with virtual nodes: unlike the process-local worker
+Keys come from `RoutingRequest.cache_key` (the client's `prompt_cache_key`) when given, else
+`RoutingRequest.routing_key` (session header, `user`, a Responses chain's root or conversation id). The ring is built over worker URLs with virtual nodes: unlike the process-local worker
 ids, a URL names the same engine in every gateway process and after a restart, so all of them map a key
 to the same worker (and its KV cache). Adding or removing one of N workers moves only about 1/N of the keys, and a worker that
 becomes unavailable hands its keys to the next worker clockwise while every other key stays put.
@@ -64,12 +64,13 @@ class ConsistentHashPolicy(RoutingPolicy):
 
     def _pick(self, workers: Sequence[Worker], request: RoutingRequest, rng: random.Random) -> Worker:
         candidates = available_workers(workers, request)
-        if request.routing_key is None:
+        key = request.cache_key or request.routing_key
+        if key is None:
             least = min(w.in_flight for w in candidates)
             return rng.choice([w for w in candidates if w.in_flight == least])
         by_url = {w.url: w for w in candidates}
         ring = self._ring([w.url for w in workers])
-        start = bisect.bisect_right(ring.hashes, _hash(request.routing_key))
+        start = bisect.bisect_right(ring.hashes, _hash(key))
         n = len(ring.owners)
         for offset in range(n):
             worker = by_url.get(ring.owners[(start + offset) % n])

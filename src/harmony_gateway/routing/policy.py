@@ -21,7 +21,8 @@ class RoutingRequest:
 
     `selection_text` is the last user message. `routing_key` is the caller's affinity key: an
     `x-session-id`-style header when present, else the request's `user` field, else the conversation id;
-    None when the request carries none of them.
+    None when the request carries none of them. `cache_key` is the client's `prompt_cache_key` (Codex
+    sends one per session): the key under which the client expects its prompt prefix to be cached.
     """
 
     model: str
@@ -29,6 +30,7 @@ class RoutingRequest:
     selection_text: str = ""
     routing_key: str | None = None
     request_id: str = ""
+    cache_key: str | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -24,10 +24,18 @@ Triggers in the last user message exercise edge cases (`TRIGGERS`):
 closed with `<|end|>` and then `<|return|>` (vllm#50690); `[[refusal]]` a `<|channel|>final` header with no
 `<|message|>` (openai/harmony#80); `[[junk]]` output that is not Harmony at all; `[[two_calls]]` two call
 messages, the first closed with `<|end|>` (calls the first two named tools, or the one named tool twice).
+Malformed shapes real gpt-oss output takes (`MALFORMED_TRIGGERS`; the answer, when there is one, is rule 3's):
+`[[bad_header]]` a message under `<|channel|>––commentary` (openai/harmony#38) before the final;
+`[[unknown_channel]]` a message on an invented `thoughts` channel before the final; `[[doubled_start]]`
+the final opened by `<|start|>assistant<|start|>assistant`; `[[stray_text]]` text between the analysis
+and the final; `[[bare_refusal]]` a refusal with neither channel nor `<|message|>`
+(`<|start|>assistant I'm sorry...`, openai/harmony#80); `[[return_after_analysis]]` the reply ends with
+`<|return|>` right after the analysis (vllm#46464); `[[cut]]` the final without any end token.
 Tool loops (variants of rule 1, after a tool result): `[[sequence]]` calls the next named tool not yet
 called since the last user message (then answers); `[[repeat]]` calls the first named tool again unless the
 last tool output mentions `max_tool_calls` (a model obeying the gateway's limit message); `[[stubborn]]`
-calls it again regardless; `[[bad_json]]` writes a call's arguments as invalid JSON. A `## python` section
+calls it again regardless; `[[bad_json]]` writes a call's arguments as invalid JSON; `[[required]]` fills only
+the required parameters (agent tools such as Codex's `exec_command` have optional ones a client acts on). A `## python` section
 of the system message declares the built-in `python` tool, called as `analysis to=python code` with
 `print("WORD")`.
 Choice i > 0 of an n > 1 request carries ` (choice i)` in its text. `output_tokens` pads or trims the
@@ -61,7 +69,18 @@ TRIGGERS: tuple[str, ...] = (
     "[[repeat]]",
     "[[stubborn]]",
     "[[bad_json]]",
+    "[[required]]",
+    "[[bad_header]]",
+    "[[unknown_channel]]",
+    "[[doubled_start]]",
+    "[[stray_text]]",
+    "[[bare_refusal]]",
+    "[[return_after_analysis]]",
+    "[[cut]]",
 )
+MALFORMED_TRIGGERS: tuple[str, ...] = TRIGGERS[-7:]
+#: Text the malformed shapes put where it is not answer text (never expected in a client's answer field).
+MISPLACED_TEXT = "Hidden notes"
 _ROLES = frozenset({"system", "developer", "user", "assistant"})
 _TERMINATORS = frozenset({END, CALL, RETURN})
 _TOOL_OUTPUT_QUOTE = 200
@@ -220,9 +239,13 @@ def argument_word(user_text: str) -> str:
     return word
 
 
-def build_arguments(tool: ToolSpec, user_text: str) -> dict[str, object]:
+def build_arguments(tool: ToolSpec, user_text: str, *, required_only: bool = False) -> dict[str, object]:
     word = argument_word(user_text)
-    return {param.name: example_value(param.type, word) for param in tool.params}
+    return {
+        param.name: example_value(param.type, word)
+        for param in tool.params
+        if param.required or not required_only
+    }
 
 
 def mentioned_tools(tools: Sequence[ToolSpec], user_text: str) -> list[ToolSpec]:
@@ -499,6 +522,16 @@ class HarmonyScript:
             draft.fixed(_special("<|start|>assistant<|channel|>final " + _REFUSAL_TEXT))
             draft.fixed([RETURN])
             return draft.finish(self._output_tokens)
+        if "[[bare_refusal]]" in triggers:
+            self._analysis(draft, f"The request is not allowed. I must refuse.{suffix}", triggers)
+            draft.fixed(_special("<|start|>assistant " + _REFUSAL_TEXT))
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
+        if "[[return_after_analysis]]" in triggers:
+            draft.fixed(_special("<|channel|>analysis<|message|>"))
+            draft.text(self._encode(f"I will stop here.{suffix}"), _ANALYSIS_FILLER)
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
         called = mentioned_tools(summary.tools, user)
         if called:
             if "[[two_calls]]" in triggers:
@@ -512,7 +545,14 @@ class HarmonyScript:
                 self._analysis(
                     draft, f"The user mentioned {tool.name}. I will call {tool.recipient}.{suffix}", triggers
                 )
-                self._call(draft, tool, user, CALL, bad_json="[[bad_json]]" in triggers)
+                self._call(
+                    draft,
+                    tool,
+                    user,
+                    CALL,
+                    bad_json="[[bad_json]]" in triggers,
+                    required_only="[[required]]" in triggers,
+                )
             return draft.finish(self._output_tokens)
         words = len(user.split())
         noun = "word" if words == 1 else "words"
@@ -521,6 +561,16 @@ class HarmonyScript:
             draft.fixed(_special("<|start|>assistant<|channel|>commentary<|message|>"))
             draft.fixed(_fixed_text("Let me put the answer together."))
             draft.fixed([END])
+        if "[[bad_header]]" in triggers:
+            draft.fixed(_special("<|start|>assistant<|channel|>––commentary<|message|>"))
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " under a broken header."))
+            draft.fixed([END])
+        if "[[unknown_channel]]" in triggers:
+            draft.fixed(_special("<|start|>assistant<|channel|>thoughts<|message|>"))
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " on an unknown channel."))
+            draft.fixed([END])
+        if "[[stray_text]]" in triggers:
+            draft.fixed(_fixed_text(MISPLACED_TEXT + " between messages."))
         answer = f'You said: "{user[:_ECHO_CHARS]}". This is a simulated answer.{suffix}'
         if "[[unicode]]" in triggers:
             answer = _UNICODE_TEXT + answer
@@ -536,9 +586,12 @@ class HarmonyScript:
         draft.fixed([END])
 
     def _final(self, draft: _Draft, text: str, triggers: frozenset[str]) -> None:
+        if "[[doubled_start]]" in triggers:
+            draft.fixed(_special("<|start|>assistant"))
         draft.fixed(_special("<|start|>assistant<|channel|>final<|message|>"))
         draft.text(self._encode(text), _FINAL_FILLER)
-        draft.fixed([END, RETURN] if "[[trailing]]" in triggers else [RETURN])
+        if "[[cut]]" not in triggers:
+            draft.fixed([END, RETURN] if "[[trailing]]" in triggers else [RETURN])
 
     def _follow_up_tool(self, summary: PromptSummary, user: str, triggers: frozenset[str]) -> ToolSpec | None:
         """The tool to call after a tool result under the tool-loop triggers, or None to answer."""
@@ -554,7 +607,14 @@ class HarmonyScript:
         return None
 
     def _call(
-        self, draft: _Draft, tool: ToolSpec, user: str, terminator: int, *, bad_json: bool = False
+        self,
+        draft: _Draft,
+        tool: ToolSpec,
+        user: str,
+        terminator: int,
+        *,
+        bad_json: bool = False,
+        required_only: bool = False,
     ) -> None:
         if tool.freeform:
             draft.fixed(
@@ -569,7 +629,11 @@ class HarmonyScript:
                 f"<|start|>assistant<|channel|>{channel} to={tool.recipient} <|constrain|>json<|message|>"
             )
         )
-        arguments = json.dumps(build_arguments(tool, user), separators=(",", ":"), ensure_ascii=False)
+        arguments = json.dumps(
+            build_arguments(tool, user, required_only=required_only),
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
         if bad_json:
             arguments = arguments[:-1] if len(arguments) > 2 else "{not json"
         draft.fixed(self._encode(arguments))
@@ -577,6 +641,8 @@ class HarmonyScript:
 
 
 __all__ = [
+    "MALFORMED_TRIGGERS",
+    "MISPLACED_TEXT",
     "TRIGGERS",
     "HarmonyScript",
     "PromptSummary",

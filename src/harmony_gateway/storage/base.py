@@ -240,13 +240,30 @@ class Store(Protocol):
         """Every item dict in position order (for building prompts); None if not visible."""
         ...
 
+    # -- gateway values -------------------------------------------------------------------------
+    # Small JSON values the gateway shares between its processes and replicas (the reasoning key, the
+    # analysis behind tool calls it issued), each optionally expiring at a wall-clock time.
+
+    async def put_value(self, key: str, value: dict[str, Any], *, expires_at: float | None = None) -> None:
+        """Set `key` to `value` (replacing any earlier value)."""
+        ...
+
+    async def get_value(self, key: str, *, now: float) -> dict[str, Any] | None:
+        """The value of `key`; None when absent or expired at `now`."""
+        ...
+
+    async def add_value(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        """Set `key` to `value` unless it has a value already; returns the value that is stored. Atomic
+        across processes: concurrent callers all get the first writer's value."""
+        ...
+
     # -- retention ------------------------------------------------------------------------------
 
     async def purge_expired(self, now: float) -> int:
         """Delete responses (and their events) created more than `retention_seconds` before `now`.
 
         Returns how many responses were deleted; always 0 when the store has no retention.
-        Conversations are not subject to retention.
+        Conversations are not subject to retention. Expired gateway values are deleted too.
         """
         ...
 

@@ -37,6 +37,7 @@ from .base import (
 
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_CONVERSATIONS = 10_000
+DEFAULT_MAX_VALUES = 100_000
 
 
 def _copy(value: Any) -> Any:
@@ -84,6 +85,9 @@ class MemoryStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._events: dict[str, dict[int, dict[str, Any]]] = {}
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
+        self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
+        self.max_values = DEFAULT_MAX_VALUES
 
     async def start(self) -> None:
         pass
@@ -298,9 +302,32 @@ class MemoryStore:
         entry = self._conversation(conversation_id, owner)
         return [_copy(i.item) for i in entry.items] if entry is not None else None
 
+    # -- gateway values -------------------------------------------------------------------------
+
+    async def put_value(self, key: str, value: dict[str, Any], *, expires_at: float | None = None) -> None:
+        self._values.pop(key, None)
+        self._values[key] = (_copy(value), expires_at)
+        while len(self._values) > self.max_values:
+            self._values.popitem(last=False)
+
+    async def get_value(self, key: str, *, now: float) -> dict[str, Any] | None:
+        entry = self._values.get(key)
+        if entry is None or (entry[1] is not None and entry[1] <= now):
+            return None
+        return _copy(entry[0])  # type: ignore[no-any-return]
+
+    async def add_value(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        entry = self._values.get(key)
+        if entry is not None and (entry[1] is None or entry[1] > time.time()):
+            return _copy(entry[0])  # type: ignore[no-any-return]
+        await self.put_value(key, value)
+        return _copy(value)  # type: ignore[no-any-return]
+
     # -- retention ------------------------------------------------------------------------------
 
     async def purge_expired(self, now: float) -> int:
+        for key in [k for k, (_, exp) in self._values.items() if exp is not None and exp <= now]:
+            del self._values[key]
         if self.retention_seconds is None:
             return 0
         cutoff = now - self.retention_seconds

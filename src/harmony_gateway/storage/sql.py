@@ -54,7 +54,7 @@ from .base import (
 logger = logging.getLogger(__name__)
 
 #: The schema version this code writes; `start()` refuses a database with a newer one.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: How long a SQLite writer waits for another process's write lock before failing (ms).
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -139,14 +139,28 @@ conversation_items = sa.Table(
 )
 
 
+gateway_values = sa.Table(
+    "gateway_values",
+    metadata,
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("value", _Json, nullable=False),
+    sa.Column("expires_at", sa.Double),
+    sa.Index("ix_gateway_values_expires_at", "expires_at"),
+)
+
+
 def _create_v1(conn: Connection) -> None:
     metadata.create_all(
         conn, tables=[responses, response_events, conversations, conversation_items], checkfirst=True
     )
 
 
+def _create_v2(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[gateway_values], checkfirst=True)
+
+
 #: version -> migration that brings the database from version - 1 to it.
-_MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+_MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _create_v2}
 
 
 def _migrate(conn: Connection) -> None:
@@ -707,9 +721,45 @@ class SqlStore:
                 return None
             return list((await conn.execute(query)).scalars())
 
+    # -- gateway values -------------------------------------------------------------------------
+
+    async def put_value(self, key: str, value: dict[str, Any], *, expires_at: float | None = None) -> None:
+        insert = self._dialect.insert(gateway_values).values(key=key, value=value, expires_at=expires_at)
+        upsert = insert.on_conflict_do_update(
+            index_elements=[gateway_values.c.key],
+            set_={"value": insert.excluded.value, "expires_at": insert.excluded.expires_at},
+        )
+        async with self._write() as conn:
+            await conn.execute(upsert)
+
+    async def get_value(self, key: str, *, now: float) -> dict[str, Any] | None:
+        query = sa.select(gateway_values.c.value).where(
+            gateway_values.c.key == key,
+            sa.or_(gateway_values.c.expires_at.is_(None), gateway_values.c.expires_at > now),
+        )
+        async with self._read() as conn:
+            found: dict[str, Any] | None = (await conn.execute(query)).scalar()
+        return found
+
+    async def add_value(self, key: str, value: dict[str, Any]) -> dict[str, Any]:
+        insert = self._dialect.insert(gateway_values).values(key=key, value=value, expires_at=None)
+        async with self._write() as conn:
+            await conn.execute(insert.on_conflict_do_nothing(index_elements=[gateway_values.c.key]))
+            stored = (
+                await conn.execute(sa.select(gateway_values.c.value).where(gateway_values.c.key == key))
+            ).scalar()
+        assert stored is not None  # inserted above, or there already
+        return dict(stored)
+
     # -- retention ------------------------------------------------------------------------------
 
     async def purge_expired(self, now: float) -> int:
+        async with self._write() as conn:
+            await conn.execute(
+                sa.delete(gateway_values).where(
+                    gateway_values.c.expires_at.is_not(None), gateway_values.c.expires_at <= now
+                )
+            )
         if self.retention_seconds is None:
             return 0
         expired = responses.c.created_at < now - self.retention_seconds

@@ -1,0 +1,73 @@
+"""`ReasoningVault`: AEAD sealing of reasoning, HMAC thinking signatures, restorable analyses with a TTL."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harmony_gateway.errors import InvalidRequest
+from harmony_gateway.pipeline.reasoning_store import KEY_NAME, ReasoningVault, reasoning_vault
+from harmony_gateway.storage.memory import MemoryStore
+
+KEY = b"k" * 32
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text())
+def test_seal_open_round_trip(text: str) -> None:
+    vault = ReasoningVault(KEY, MemoryStore())
+    sealed = vault.seal(text)
+    assert sealed != vault.seal(text)  # a fresh nonce each time
+    assert vault.open(sealed, param="p") == text
+
+
+@pytest.mark.parametrize("blob", ["", "hg1.", "hg1.AAAA", "plain text", 42, None])
+def test_junk_blobs_are_400_naming_the_param(blob: object) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        ReasoningVault(KEY, MemoryStore()).open(blob, param="input[3].encrypted_content")
+    assert info.value.param == "input[3].encrypted_content"
+
+
+def test_another_key_cannot_open_or_sign() -> None:
+    mine, theirs = ReasoningVault(KEY, MemoryStore()), ReasoningVault(b"x" * 32, MemoryStore())
+    with pytest.raises(InvalidRequest):
+        theirs.open(mine.seal("secret plan"), param="p")
+    assert mine.verify("thought", mine.sign("thought"))
+    assert not theirs.verify("thought", mine.sign("thought"))
+    assert not mine.verify("thought", None)
+
+
+async def test_remember_and_recall_by_call_id() -> None:
+    store = MemoryStore()
+    vault = ReasoningVault(KEY, store)
+    await vault.remember(["call_a", "call_b"], "the analysis")
+    assert await vault.recall(["call_x", "call_b"]) == "the analysis"
+    assert await vault.recall(["call_x"]) is None
+    await store.purge_expired(time.time() + 25 * 3600)  # past the TTL
+    assert await vault.recall(["call_a"]) is None
+
+
+@dataclass(eq=False)
+class _Settings:
+    reasoning_key: str | None = None
+
+
+@dataclass(eq=False)
+class _State:
+    """The two fields of `GatewayState` the vault reads (one object per gateway process)."""
+
+    store: Any
+    settings: _Settings = field(default_factory=_Settings)
+
+
+async def test_generated_key_is_kept_in_the_storage() -> None:
+    store = MemoryStore()
+    one = await reasoning_vault(_State(store))
+    two = await reasoning_vault(_State(store))  # another process on the same storage
+    assert two.open(one.seal("shared"), param="p") == "shared"
+    assert await store.get_value(KEY_NAME, now=time.time()) is not None
