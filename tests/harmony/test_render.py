@@ -597,6 +597,17 @@ def test_fast_path_after_the_drop_rule_equals_render_reference(
     assert _renderer.render_for_completion(prefix, kept) == render_reference([*prefix.messages(), *kept])
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["\U000323b0:A", "x <|start|> \U000323b0:A", "\u1ad0a1", "a\U0001e6c0b", "\u088f's", "\U00031350:A"],
+)
+def test_characters_newer_than_openai_harmonys_tables_render_as_it_does(text: str) -> None:
+    """quicktok knows Unicode 17 and pre-tokenizes around its new letters differently: such text must
+    still render exactly as openai-harmony renders it."""
+    msg = Msg("user", text)
+    assert _renderer.render_message(msg) == get_encoding().render(msg.to_harmony())
+
+
 @settings(max_examples=100, deadline=None)
 @given(msg=history_messages())
 def test_render_message_equals_harmony_render(msg: Msg) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -90,7 +91,7 @@ class PromptRenderer:
         import quicktok
 
         self._encoding = encoding or get_encoding()
-        self._encode_text: Callable[[str], list[int]] = quicktok.get_encoding("o200k_base").encode_ordinary
+        self._quicktok: Callable[[str], list[int]] = quicktok.get_encoding("o200k_base").encode_ordinary
         self._prefix_cache: OrderedDict[Hashable, list[int]] = OrderedDict()
         self._frames: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
         self._cache_size = cache_size
@@ -168,8 +169,56 @@ class PromptRenderer:
         tokens += _assistant_header()
         return tokens
 
+    def _encode_text(self, text: str) -> list[int]:
+        if text.isascii() or _NEWER_UNICODE.search(text) is None:
+            return self._quicktok(text)
+        # quicktok's tables know characters added in Unicode 17 that openai-harmony's pre-tokenizer does
+        # not, and split text around them differently: such text takes openai-harmony's own encoder.
+        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+
     def encode_text(self, text: str) -> list[int]:
         return self._encode_text(text)
+
+
+#: Code points where quicktok's and openai-harmony's encodings of ordinary text disagree (characters
+#: assigned in Unicode 17), found by encoding every code point unassigned in Python's own tables in
+#: several contexts with both: tests/harmony/test_render.py keeps the two renderings equal around them.
+_NEWER_UNICODE = re.compile(
+    "["
+    + "".join(
+        chr(a) if a == b else f"{chr(a)}-{chr(b)}"
+        for a, b in (
+            (0x88F, 0x88F),
+            (0xC5C, 0xC5C),
+            (0xCDC, 0xCDC),
+            (0x1ACF, 0x1ADD),
+            (0x1AE0, 0x1AEB),
+            (0xA7CE, 0xA7CF),
+            (0xA7D2, 0xA7D2),
+            (0xA7D4, 0xA7D4),
+            (0xA7F1, 0xA7F1),
+            (0x10940, 0x10959),
+            (0x10EC5, 0x10EC7),
+            (0x10EFA, 0x10EFB),
+            (0x11B60, 0x11B67),
+            (0x11DB0, 0x11DDB),
+            (0x11DE0, 0x11DE9),
+            (0x16EA0, 0x16EB8),
+            (0x16EBB, 0x16ED3),
+            (0x16FF2, 0x16FF6),
+            (0x187F8, 0x187FF),
+            (0x18D09, 0x18D1E),
+            (0x18D80, 0x18DF2),
+            (0x1E6C0, 0x1E6DE),
+            (0x1E6E0, 0x1E6F5),
+            (0x1E6FE, 0x1E6FF),
+            (0x2B73A, 0x2B73F),
+            (0x2CEA2, 0x2CEAD),
+            (0x323B0, 0x33479),
+        )
+    )
+    + "]"
+)
 
 
 def _find_sublist(haystack: list[int], needle: list[int]) -> int:
