@@ -180,17 +180,19 @@ class PrefixCache:
 
 
 class FrameCache:
-    """Serialized stream frames per choice and request shape (bounded LRU).
+    """Serialized stream frames (by the start of their token span) per choice and request shape (LRU).
 
     Benchmarks repeat prompts; reusing the bytes of every chunk keeps the sim's CPU per streamed token
     close to the bare gRPC cost on the 2-core box it shares with the gateway.
     """
 
     def __init__(self, size: int = 256) -> None:
-        self._frames: OrderedDict[Hashable, tuple[list[bytes], bytes]] = OrderedDict()
+        self._frames: OrderedDict[Hashable, tuple[dict[int, bytes], bytes]] = OrderedDict()
         self._size = size
 
-    def get(self, key: Hashable, build: Callable[[], tuple[list[bytes], bytes]]) -> tuple[list[bytes], bytes]:
+    def get(
+        self, key: Hashable, build: Callable[[], tuple[dict[int, bytes], bytes]]
+    ) -> tuple[dict[int, bytes], bytes]:
         frames = self._frames.get(key)
         if frames is None:
             frames = build()
@@ -270,8 +272,11 @@ class Run:
             failure, self.failure = self.failure, None
             raise SimulatedFailure(failure.code, failure.message)
 
-    async def stream_steps(self, plans: list[ChoicePlan], chunk: int) -> AsyncIterator[Step]:
+    async def stream_steps(
+        self, plans: list[ChoicePlan], chunk: int, *, first_alone: bool = False
+    ) -> AsyncIterator[Step]:
         """Steps for all choices, interleaved as a batching engine emits them, paced by the config.
+        `first_alone`: the first token goes out on its own, then `chunk` at a time (`chunk_spans`).
 
         On Abort it stops; the caller reports unfinished choices (`plan.done` false) as aborted.
         """
@@ -285,30 +290,48 @@ class Run:
                 self.fail_if_armed()
         await self.wait(core.ttft)
         sent = 0
-        pos = 0
+        spans = {plan.index: chunk_spans(len(plan.ids), chunk, first_alone=first_alone) for plan in plans}
+        step_no = 0
         while not self.aborted:
+            size = chunk
             for plan in plans:
                 if plan.done:
                     continue
-                end = min(pos + chunk, len(plan.ids))
+                pos, end = spans[plan.index][step_no]
+                size = end - pos if end > pos else chunk
                 self.check_failure(sent + (end - pos))
                 if self.aborted:
                     return
-                last = end >= len(plan.ids)
+                last = step_no == len(spans[plan.index]) - 1
                 plan.sent = end
                 plan.done = last
                 sent += end - pos
                 yield Step(plan, pos, end, last)
             if all(p.done for p in plans):
                 return
-            pos += chunk
-            await self.wait(chunk * core.token_delay)
+            step_no += 1
+            await self.wait(size * core.token_delay)
 
     async def wait_whole(self, plans: list[ChoicePlan]) -> None:
         """Non-stream timing: first-token delay plus the longest choice at the configured rate."""
         longest = max((len(p.ids) for p in plans), default=0)
         await self.wait(self._core.ttft + longest * self._core.token_delay)
         self.fail_if_armed()
+
+
+def chunk_spans(length: int, size: int, *, first_alone: bool = False) -> list[tuple[int, int]]:
+    """The [start, end) token spans a stream of `length` tokens goes out in, `size` at a time. With
+    `first_alone` the first token goes out at once and then `size` at a time, as SGLang honours a
+    request's `stream_interval`. An empty stream is one empty span (its closing message)."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    if first_alone and size > 1 and length > 1:
+        spans.append((0, 1))
+        start = 1
+    while start < length:
+        spans.append((start, min(start + size, length)))
+        start += size
+    return spans or [(0, 0)]
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

@@ -28,6 +28,7 @@ from .server import (
     ChoicePlan,
     ReceivedRequest,
     capture_handlers,
+    chunk_spans,
     serialize_response,
 )
 from .servicer import SimServicer, admitted, fake_output_logprobs, model_info_fields, wait_prefill
@@ -100,19 +101,23 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
         if request.stream:
             interval = sp.stream_interval if sp.HasField("stream_interval") else 0
             size = max(1, interval if interval > 0 else config.tokens_per_chunk)
+            # SGLang sends a request's first token at once, then one message per `stream_interval`.
+            first_alone = interval > 0
             if not want_logprobs:
                 # Pre-serialized frames: a GenerateResponse body without field 1 (request_id) plus that
                 # field's bytes is the whole message, because concatenated protobuf messages merge.
                 raw_id = rid.encode()
                 prefix = b"\x0a" + _varint(len(raw_id)) + raw_id
-                frames = {plan.index: self._frames(plan, size, prompt_tokens, cached) for plan in plans}
-                async for step in run.stream_steps(plans, size):
+                frames = {
+                    plan.index: self._frames(plan, size, first_alone, prompt_tokens, cached) for plan in plans
+                }
+                async for step in run.stream_steps(plans, size, first_alone=first_alone):
                     chunks, complete_frame = frames[step.plan.index]
-                    yield prefix + chunks[step.start // size]
+                    yield prefix + chunks[step.start]
                     if step.last:
                         yield prefix + complete_frame
             else:
-                async for step in run.stream_steps(plans, size):
+                async for step in run.stream_steps(plans, size, first_alone=first_alone):
                     plan = step.plan
                     tokens = plan.visible(step.start, step.end)
                     logprobs: pb.OutputLogProbs | None = output_logprobs(tokens, step.start, top)
@@ -151,8 +156,8 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 )
 
     def _frames(
-        self, plan: ChoicePlan, size: int, prompt_tokens: int, cached: int
-    ) -> tuple[list[bytes], bytes]:
+        self, plan: ChoicePlan, size: int, first_alone: bool, prompt_tokens: int, cached: int
+    ) -> tuple[dict[int, bytes], bytes]:
         key = (
             "sglang",
             tuple(plan.ids),
@@ -161,18 +166,21 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
             plan.matched_token_id,
             plan.hide_last,
             size,
+            first_alone,
             prompt_tokens,
             cached,
         )
-        return self._core.frames.get(key, lambda: self._build_frames(plan, size, prompt_tokens, cached))
+        return self._core.frames.get(
+            key, lambda: self._build_frames(plan, size, first_alone, prompt_tokens, cached)
+        )
 
     def _build_frames(
-        self, plan: ChoicePlan, size: int, prompt_tokens: int, cached: int
-    ) -> tuple[list[bytes], bytes]:
-        chunks: list[bytes] = []
+        self, plan: ChoicePlan, size: int, first_alone: bool, prompt_tokens: int, cached: int
+    ) -> tuple[dict[int, bytes], bytes]:
+        """Serialized chunk messages by the start of their span, and the closing message."""
+        chunks: dict[int, bytes] = {}
         tokens: list[int] = []
-        for start in range(0, max(len(plan.ids), 1), size):
-            end = min(start + size, len(plan.ids))
+        for start, end in chunk_spans(len(plan.ids), size, first_alone=first_alone):
             tokens = plan.visible(start, end)
             chunk = pb.GenerateStreamChunk(
                 token_ids=tokens,
@@ -181,7 +189,7 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 cached_tokens=cached,
                 index=plan.index,
             )
-            chunks.append(pb.GenerateResponse(chunk=chunk).SerializeToString())
+            chunks[start] = pb.GenerateResponse(chunk=chunk).SerializeToString()
         complete = self._complete("", plan, tokens, prompt_tokens, cached, None).SerializeToString()
         return chunks, complete
 
