@@ -54,9 +54,12 @@ def new_context(request: Request, route: str, state: GatewayState) -> RequestCon
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
     owner = owner_of(state, request)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
-    return RequestContext(
+    ctx = RequestContext(
         request_id=request_id, route=route, owner=owner, routing_key=routing_key, metrics=state.metrics
     )
+    # Read by traffic control when the request ends: its prompt and completion tokens are charged.
+    request.state.request_context = ctx
+    return ctx
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -70,6 +70,7 @@ from ..harmony.messages import (
     tool_result,
     user,
 )
+from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
@@ -428,6 +429,7 @@ class MessagesPlan:
     show_thinking: bool
 
 
+@traced("gateway.prepare")
 async def prepare_messages(
     state: GatewayState, request: CountTokensRequest, group: ModelGroup
 ) -> MessagesPlan:
