@@ -105,3 +105,23 @@ async def test_higher_priority_waits_less(tmp_path) -> None:  # type: ignore[no-
             sim.release_held()
             await asyncio.gather(*tasks)
         assert done == ["running", "high", "low 0", "low 1", "low 2"]
+
+
+async def test_background_response_holds_its_slot_until_it_ends() -> None:
+    from tests.conftest import MODEL
+
+    async with sim_and_gateway(max_concurrent_requests=1, queue_size=1, queue_timeout=0.3) as (sim, gw):
+        admission = gw.app.state.traffic.admission
+        sim.hold()
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            r = await http.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True})
+            assert r.status_code == 200 and r.json()["status"] in ("queued", "in_progress")
+            await until(lambda: sim.active_requests == 1)
+            assert admission.in_flight == 1  # the HTTP request returned; the response still runs
+            status, headers, body = await stream_chat(http, "waits for the background response")
+            _assert_overloaded(status, headers, body, "queue_timeout")
+            sim.release_held()
+            await until(lambda: admission.in_flight == 0)
+            assert (await stream_chat(http, "now there is room"))[0] == 200
+            stored = await http.get(f"/v1/responses/{r.json()['id']}")
+            assert stored.json()["status"] == "completed"

@@ -133,7 +133,9 @@ class Ticket:
 class TrafficControl:
     """The gateway's traffic state: admission, budgets and the drain. Built with the app."""
 
-    def __init__(self, settings: Settings, registry: Any = None, shared_slots_path: str | None = None) -> None:
+    def __init__(
+        self, settings: Settings, registry: Any = None, shared_slots_path: str | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = TrafficMetrics(registry) if registry is not None else None
         self.admission: Admission | None = None
@@ -204,8 +206,9 @@ class TrafficControl:
 
     async def check_budgets(
         self, identity: str, policy: KeyPolicy | None, generating: bool
-    ) -> list[tuple[bytes, bytes]]:
-        """Take (generating) or read the key's budgets; the headers to send. Raises RateLimited."""
+    ) -> tuple[list[tuple[bytes, bytes]], RateLimited | None]:
+        """Take (generating) or read the key's budgets: the headers to send, and the refusal when a
+        budget is spent."""
         headers: list[tuple[bytes, bytes]] = []
         refusal: RateLimited | None = None
         limit = self.request_limit(policy)
@@ -220,10 +223,7 @@ class TrafficControl:
             headers += headers_for("tokens", state)
             if not state.allowed and refusal is None:
                 refusal = self._refusal("tokens", limit, state, 1.0)
-        if refusal is not None:
-            refusal.headers = headers  # type: ignore[attr-defined]
-            raise refusal
-        return headers
+        return headers, refusal
 
     def _refusal(self, kind: str, limit: int, state: BucketState, needed: float) -> RateLimited:
         if self.metrics is not None:
@@ -305,12 +305,9 @@ async def _send_error(
     send: Send, path: str, exc: GatewayError, request_id: str, extra: list[tuple[bytes, bytes]]
 ) -> None:
     status, body = _error_body(path, exc)
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"x-request-id", request_id.encode()),
-        *extra,
-    ]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
@@ -351,7 +348,6 @@ class TrafficMiddleware:
                 return
             await self.app(scope, receive, send)
             return
-        generating = scope["method"] == "POST" and path in GENERATING_PATHS
         if control.draining:
             if control.metrics is not None:
                 control.metrics.admission_refused.labels(reason="draining").inc()
@@ -359,14 +355,38 @@ class TrafficMiddleware:
             exc = Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
             await _send_error(send, path, exc, request_id, [(b"connection", b"close")])
             return
-        limit_headers: list[tuple[bytes, bytes]] = []
+        # Counted from here, queued or running: the drain waits for every request it did not refuse,
+        # and past its timeout cancels this scope.
+        watch = _ResponseWatch(send, status, path)
+        cancel_scope = anyio.CancelScope()
+        control._enter(cancel_scope)
+        try:
+            with cancel_scope:
+                await self._admit_and_run(scope, receive, watch, path, headers, request_id)
+            if cancel_scope.cancelled_caught:
+                # End the request in its route's own error shape (a stream gets a terminal event).
+                await watch.cut(
+                    Overloaded("the gateway shut down before this response finished", code="shutting_down")
+                )
+        finally:
+            control._leave(cancel_scope)
+
+    async def _admit_and_run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        watch: _ResponseWatch,
+        path: str,
+        headers: Headers,
+        request_id: str,
+    ) -> None:
+        control = self.control
+        generating = scope["method"] == "POST" and path in GENERATING_PATHS
         identity, policy = control.identify(scope, headers)
         if control.limits_on and identity is not None:
-            try:
-                limit_headers = await control.check_budgets(identity, policy, generating)
-            except RateLimited as refusal:
-                status[0] = 429
-                await _send_error(send, path, refusal, request_id, refusal.headers)  # type: ignore[attr-defined]
+            watch.extra, refusal = await control.check_budgets(identity, policy, generating)
+            if refusal is not None:
+                await _send_error(watch, path, refusal, request_id, [])
                 return
         slot: Slot | None = None
         if generating and control.admission is not None:
@@ -376,73 +396,67 @@ class TrafficMiddleware:
                         control.admission, control.priority(policy), receive
                     )
             except Overloaded as refusal:
-                status[0] = 503
-                await _send_error(send, path, refusal, request_id, limit_headers)
+                await _send_error(watch, path, refusal, request_id, [])
                 return
             if slot is None:
                 return  # the client left while queued
         ticket = Ticket(control, slot, identity, policy, scope.setdefault("state", {}))
-        send = _sending(send, limit_headers, status, path)
-        cancel_scope = anyio.CancelScope()
-        control._enter(cancel_scope)
         reset = current_ticket.set(ticket)
         try:
-            with cancel_scope:
-                await self.app(scope, receive, send)
-            if cancel_scope.cancelled_caught:
-                await send.cut(GatewayOverloadedCut)  # type: ignore[attr-defined]
+            await self.app(scope, receive, watch)
         finally:
             current_ticket.reset(reset)
-            control._leave(cancel_scope)
             if not ticket.detached:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     await ticket.settle()
 
 
-GatewayOverloadedCut = Overloaded(
-    "the gateway shut down before this response finished; retry it", code="shutting_down"
-)
+class _ResponseWatch:
+    """The app's `send`: adds the budget headers, times the stream span, and can end a cut stream."""
 
+    __slots__ = ("_path", "_send", "_span", "_status", "extra", "finished", "started", "streaming")
 
-def _sending(send: Send, extra: list[tuple[bytes, bytes]], status: list[int], path: str) -> Any:
-    """`send` that adds the budget headers, times the stream span, and can end a cut stream."""
-    stream_span: list[Any] = [None]
-    started = [False]
-    finished = [False]
-    streaming = [False]
+    def __init__(self, send: Send, status: list[int], path: str) -> None:
+        self._send = send
+        #: The budget headers, added to the response's headers.
+        self.extra: list[tuple[bytes, bytes]] = []
+        self._status = status
+        self._path = path
+        self._span: Any = None
+        self.started = False
+        self.finished = False
+        self.streaming = False
 
-    async def wrapped(message: Message) -> None:
+    async def __call__(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            started[0] = True
-            status[0] = message["status"]
-            if extra:
+            self.started = True
+            self._status[0] = message["status"]
+            if self.extra:
                 message = dict(message)
-                message["headers"] = [*message.get("headers", []), *extra]
+                message["headers"] = [*message.get("headers", []), *self.extra]
             for name, value in message.get("headers", []):
                 if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
-                    streaming[0] = True
-                    stream_span[0] = tracing.start_span("gateway.stream")
+                    self.streaming = True
+                    self._span = tracing.start_span("gateway.stream")
         elif kind == "http.response.body" and not message.get("more_body", False):
-            finished[0] = True
-            if stream_span[0] is not None:
-                stream_span[0].end()
-                stream_span[0] = None
-        await send(message)
+            self.finished = True
+            self._end_span()
+        await self._send(message)
 
-    async def cut(exc: GatewayError) -> None:
-        if stream_span[0] is not None:
-            stream_span[0].end()
-            stream_span[0] = None
-        if started[0] and streaming[0] and not finished[0]:
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": _terminal_frame(path, exc), "more_body": False})
-        elif not started[0]:
-            with contextlib.suppress(Exception):
-                await _send_error(send, path, exc, "", [])
+    def _end_span(self) -> None:
+        if self._span is not None:
+            self._span.end()
+            self._span = None
 
-    wrapped.cut = cut  # type: ignore[attr-defined]
-    return wrapped
+    async def cut(self, exc: GatewayError) -> None:
+        self._end_span()
+        with contextlib.suppress(Exception):  # the client may be gone too
+            if not self.started:
+                await _send_error(self, self._path, exc, "", [])
+            elif self.streaming and not self.finished:
+                frame = _terminal_frame(self._path, exc)
+                await self._send({"type": "http.response.body", "body": frame, "more_body": False})
 
 
 async def _acquire_watching(
@@ -486,5 +500,11 @@ async def _acquire_watching(
     return slot, replay
 
 
-__all__ = ["GENERATING_PATHS", "Ticket", "TrafficControl", "TrafficMetrics", "TrafficMiddleware", "current_ticket"]
-
+__all__ = [
+    "GENERATING_PATHS",
+    "Ticket",
+    "TrafficControl",
+    "TrafficMetrics",
+    "TrafficMiddleware",
+    "current_ticket",
+]
