@@ -174,7 +174,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             await gw.store.close()
             await control.close()
             if settings.otlp_endpoint:
-                tracing.shutdown()
+                # In a thread: flushing blocks until the collector answers (or its timeout).
+                await anyio.to_thread.run_sync(tracing.shutdown)
 
     # No trailing-slash redirects: `DELETE /v1/responses/` is a 404 error body, not a 307 to another route.
     app = FastAPI(

@@ -125,3 +125,29 @@ async def test_background_response_holds_its_slot_until_it_ends() -> None:
             assert (await stream_chat(http, "now there is room"))[0] == 200
             stored = await http.get(f"/v1/responses/{r.json()['id']}")
             assert stored.json()["status"] == "completed"
+
+
+async def test_the_cap_holds_across_gateway_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from harmony_gateway.sim import SimConfig, start_sim_engine
+    from tests.support.processes import start_gateway_process
+
+    async with await start_sim_engine(SimConfig(port=0)) as sim:
+        gateway = await start_gateway_process(
+            "--worker-url", sim.url, "--storage", f"sqlite:///{tmp_path}/r.db", "--workers", "2",
+            "--max-concurrent-requests", "2", "--queue-size", "0",
+        )  # fmt: skip
+        try:
+            sim.hold()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=30) as http:
+                # One connection each: the processes share the listening socket and split them.
+                tasks = [asyncio.create_task(stream_chat(http, f"request {i}")) for i in range(6)]
+                await until(lambda: sum(t.done() for t in tasks) == 4)
+                await until(lambda: sim.active_requests == 2)
+                for task in [t for t in tasks if t.done()]:
+                    _assert_overloaded(*task.result(), "queue_full")
+                sim.release_held()
+                results = await asyncio.gather(*tasks)
+            assert sum(r[0] == 200 for r in results) == 2
+            assert sim.peak_active == 2
+        finally:
+            gateway.stop()

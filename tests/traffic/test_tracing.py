@@ -12,6 +12,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from tests.conftest import MODEL
 from tests.traffic._support import chat_body, sim_and_gateway, until
 
 
@@ -85,8 +86,22 @@ async def test_spans_reach_the_collector_and_the_engine_sees_the_trace() -> None
             traced_call = sim.requests[0].metadata["traceparent"]
             assert traced_call.split("-")[1] == trace_id
             assert traced_call.split("-")[2] == engine_span[1]
+            # Storage operations of a stored response are spans of its request's trace.
+            stored_trace = os.urandom(16).hex()
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+                r = await http.post(
+                    "/v1/responses",
+                    json={"model": MODEL, "input": "hi", "store": True},
+                    headers={"traceparent": f"00-{stored_trace}-{parent_id}-01"},
+                )
+                assert r.status_code == 200
+            await until(
+                lambda: any(
+                    s[0] == stored_trace and s[3].startswith("gateway.storage.") for s in receiver.spans
+                )
+            )
             # A request without a traceparent starts a trace of its own.
-            await until(lambda: len({s[0] for s in receiver.spans if s[3].startswith("POST ")}) == 2)
+            await until(lambda: len({s[0] for s in receiver.spans if s[3].startswith("POST ")}) == 3)
             assert sim.requests[1].metadata["traceparent"].split("-")[1] != trace_id
     finally:
         await receiver.stop()
