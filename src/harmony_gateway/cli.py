@@ -670,6 +670,9 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         os.environ[SHARED_SLOTS_ENV] = os.path.join(
             tempfile.mkdtemp(prefix="harmony-gateway-admission-"), "slots"
         )
+    from .traffic.drain import use_draining_processes
+
+    use_draining_processes()
     uvicorn.run(
         "harmony_gateway.cli:app_from_env",
         factory=True,
@@ -680,8 +683,6 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         access_log=False,
         lifespan="on",
         log_config=None,
-        # Each process closes its listener on SIGTERM and lets in-flight requests finish this long.
-        timeout_graceful_shutdown=settings.drain_timeout,
     )
 
 

@@ -20,6 +20,13 @@ async def _wait_exit(proc, timeout: float = 30.0) -> int:  # type: ignore[no-unt
     return int(proc.returncode)
 
 
+async def _until_not_ready(http: httpx.AsyncClient, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (await http.get("/readiness")).status_code != 503:
+        assert asyncio.get_running_loop().time() < deadline, "/readiness never answered 503"
+        await asyncio.sleep(0.02)
+
+
 async def test_sigterm_drains_streams_refuses_new_requests_and_exits_0() -> None:
     async with await start_sim_engine(SimConfig(port=0)) as sim:
         gateway = await start_gateway_process("--worker-url", sim.url, "--storage", "memory://")
@@ -36,12 +43,7 @@ async def test_sigterm_drains_streams_refuses_new_requests_and_exits_0() -> None
                 await until(lambda: sim.active_requests == 10)
                 gateway.proc.send_signal(signal.SIGTERM)
 
-                async def readiness() -> int:
-                    return (await http.get("/readiness")).status_code
-
-                for _ in range(500):
-                    if await readiness() == 503:
-                        break
+                await _until_not_ready(http)
                 refused = await http.post("/v1/chat/completions", json=chat_body(stream=False))
                 assert refused.status_code == 503
                 assert int(refused.headers["retry-after"]) >= 1
@@ -79,5 +81,35 @@ async def test_drain_timeout_ends_streams_with_an_error_event() -> None:
             assert b'"finish_reason":"stop"' not in body
             assert await _wait_exit(gateway.proc) == 0
             await until(lambda: len(sim.aborted) == 1)
+        finally:
+            gateway.kill()
+
+
+async def test_every_gateway_process_drains(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    async with await start_sim_engine(SimConfig(port=0)) as sim:
+        gateway = await start_gateway_process(
+            "--worker-url", sim.url, "--storage", f"sqlite:///{tmp_path}/r.db", "--workers", "2"
+        )
+        try:
+            sim.hold()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as http:
+
+                async def stream(i: int) -> bytes:
+                    async with http.stream("POST", "/v1/chat/completions", json=chat_body(f"s {i}")) as r:
+                        assert r.status_code == 200
+                        return await r.aread()
+
+                streams = [asyncio.create_task(stream(i)) for i in range(6)]
+                await until(lambda: sim.active_requests == 6)
+                gateway.proc.send_signal(signal.SIGTERM)
+                # The supervisor passes SIGTERM on when its own loop next looks (every 0.5 s or more).
+                await _until_not_ready(http)
+                refused = await http.post("/v1/chat/completions", json=chat_body(stream=False))
+                assert refused.status_code == 503
+                sim.release_held()
+                bodies = await asyncio.gather(*streams)
+            for body in bodies:
+                assert body.rstrip().endswith(b"data: [DONE]")
+            assert await _wait_exit(gateway.proc) == 0
         finally:
             gateway.kill()

@@ -17,6 +17,8 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn.supervisors import multiprocess
+from uvicorn.supervisors.multiprocess import Process
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ current_control: Any = None
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
+        super().__init__(config=config)
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -52,3 +54,21 @@ class DrainingServer(uvicorn.Server):
             await control.drain()
         finally:
             self.should_exit = True
+
+
+class DrainingProcess(Process):
+    """A `serve --workers N` process whose server drains on SIGTERM like the single-process one.
+
+    uvicorn's supervisor creates each process's server from its `Process` class; the supervisor
+    forwards SIGTERM to every process, which then drains, and exits 0 once all of them have."""
+
+    @property
+    def server(self) -> uvicorn.Server:
+        if self._server is None:
+            self._server = DrainingServer(config=self.config)
+        return self._server
+
+
+def use_draining_processes() -> None:
+    """Make uvicorn's multi-process supervisor start `DrainingProcess`es (call in the supervisor)."""
+    multiprocess.Process = DrainingProcess  # type: ignore[misc]
