@@ -15,8 +15,10 @@ from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 
 @contextlib.asynccontextmanager
-async def sim_and_gateway(**overrides: Any) -> AsyncIterator[tuple[Any, RunningGateway]]:
-    async with await start_sim_engine(SimConfig(port=0)) as sim:
+async def sim_and_gateway(
+    sim_config: SimConfig | None = None, **overrides: Any
+) -> AsyncIterator[tuple[Any, RunningGateway]]:
+    async with await start_sim_engine(sim_config or SimConfig(port=0)) as sim:
         async with running_gateway(test_settings(worker_urls=(sim.url,), **overrides)) as gw:
             yield sim, gw
 

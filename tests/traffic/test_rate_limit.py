@@ -111,6 +111,30 @@ async def test_token_limit_and_a_key_file_limit() -> None:
         assert big.status_code == 200 and big.headers["x-ratelimit-limit-tokens"] == "100000"
 
 
+async def test_prompt_tokens_count_while_the_answer_streams() -> None:
+    from harmony_gateway.sim import SimConfig
+
+    # A long answer paced at 20 tokens/s: the stream is still running when the next request comes.
+    async with sim_and_gateway(
+        SimConfig(port=0, tokens_per_second=20), token_rate_limit=30, api_keys=frozenset({"k"})
+    ) as (_, gw):
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=chat_body("[[long]]"), headers=_auth("k")
+            ) as first:
+                assert first.status_code == 200
+                await anext(first.aiter_bytes())  # the stream has started: its prompt is charged
+
+                async def refused() -> bool:
+                    r = await http.post("/v1/chat/completions", json=chat_body(), headers=_auth("k"))
+                    return r.status_code == 429
+
+                deadline = asyncio.get_running_loop().time() + 10
+                while not await refused():  # the charge is written off the response's send path
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.02)
+
+
 async def test_sdk_retries_a_429_on_its_own() -> None:
     async with sim_and_gateway(rate_limit=60, api_keys=frozenset({"sdk"})) as (_, gw):
         async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:

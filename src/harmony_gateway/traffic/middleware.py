@@ -91,10 +91,26 @@ class TrafficMetrics:
         )
 
 
-class Ticket:
-    """One admitted request: its slot and the budgets its tokens are charged to, settled once."""
+#: Prompt-token charges on their way to the store (kept referenced until done).
+_CHARGING: set[asyncio.Task[None]] = set()
 
-    __slots__ = ("_control", "detached", "identity", "policy", "scope_state", "settled", "slot")
+
+class Ticket:
+    """One admitted request: its slot and the budgets its tokens are charged to, settled once.
+
+    The prompt's tokens are charged as the response starts (the prompt is known by then), the rest
+    when the request ends."""
+
+    __slots__ = (
+        "_control",
+        "charged",
+        "detached",
+        "identity",
+        "policy",
+        "scope_state",
+        "settled",
+        "slot",
+    )
 
     def __init__(
         self,
@@ -111,10 +127,32 @@ class Ticket:
         self.scope_state = scope_state
         self.detached = False
         self.settled = False
+        #: Tokens charged so far.
+        self.charged = 0
 
     def detach(self) -> None:
         """A background task now owns this ticket and settles it when it ends."""
         self.detached = True
+
+    def _owed(self) -> tuple[int, int]:
+        """(token limit, tokens used but not charged yet)."""
+        ctx = self.scope_state.get("request_context")
+        limit = self._control.token_limit(self.policy)
+        if ctx is None or not limit or self.identity is None:
+            return 0, 0
+        return limit, ctx.prompt_tokens + ctx.completion_tokens - self.charged
+
+    def charge_started(self) -> None:
+        """The response is starting: charge what the request used so far (its prompt), off the send path."""
+        limit, owed = self._owed()
+        if owed > 0:
+            self.charged += owed
+            task = asyncio.ensure_future(self._charge(limit, owed))
+            _CHARGING.add(task)
+            task.add_done_callback(_CHARGING.discard)
+
+    async def _charge(self, limit: int, tokens: int) -> None:
+        await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
 
     async def settle(self) -> None:
         if self.settled:
@@ -122,12 +160,10 @@ class Ticket:
         self.settled = True
         if self.slot is not None:
             self.slot.release()
-        ctx = self.scope_state.get("request_context")
-        limit = self._control.token_limit(self.policy)
-        if ctx is not None and limit and self.identity is not None:
-            used = ctx.prompt_tokens + ctx.completion_tokens
-            if used:
-                await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", used)
+        limit, owed = self._owed()
+        if owed > 0:
+            self.charged += owed
+            await self._charge(limit, owed)
 
 
 class TrafficControl:
@@ -401,6 +437,7 @@ class TrafficMiddleware:
             if slot is None:
                 return  # the client left while queued
         ticket = Ticket(control, slot, identity, policy, scope.setdefault("state", {}))
+        watch.ticket = ticket
         reset = current_ticket.set(ticket)
         try:
             await self.app(scope, receive, watch)
@@ -414,7 +451,17 @@ class TrafficMiddleware:
 class _ResponseWatch:
     """The app's `send`: adds the budget headers, times the stream span, and can end a cut stream."""
 
-    __slots__ = ("_path", "_send", "_span", "_status", "extra", "finished", "started", "streaming")
+    __slots__ = (
+        "_path",
+        "_send",
+        "_span",
+        "_status",
+        "extra",
+        "finished",
+        "started",
+        "streaming",
+        "ticket",
+    )
 
     def __init__(self, send: Send, status: list[int], path: str) -> None:
         self._send = send
@@ -423,6 +470,7 @@ class _ResponseWatch:
         self._status = status
         self._path = path
         self._span: Any = None
+        self.ticket: Ticket | None = None
         self.started = False
         self.finished = False
         self.streaming = False
@@ -432,6 +480,8 @@ class _ResponseWatch:
         if kind == "http.response.start":
             self.started = True
             self._status[0] = message["status"]
+            if self.ticket is not None:
+                self.ticket.charge_started()
             if self.extra:
                 message = dict(message)
                 message["headers"] = [*message.get("headers", []), *self.extra]

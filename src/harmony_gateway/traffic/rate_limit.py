@@ -1,9 +1,9 @@
 """Per-key budgets: token buckets of `limit` per minute, refilled continuously.
 
 Two buckets per key (or per client address when the gateway has no keys): requests (one taken at
-admission) and tokens (admission needs a positive balance; the request's prompt and completion tokens
-are charged when it ends, so a long answer may drive the balance below zero and later requests wait
-until it refills). Buckets live in this process (`LocalBuckets`) or in Redis (`RedisBuckets`: one
+admission) and tokens (admission needs a positive balance; the prompt's tokens are charged as the
+response starts, the completion tokens when it ends, so a long answer may drive the balance below zero
+and later requests wait until it refills). Buckets live in this process (`LocalBuckets`) or in Redis (`RedisBuckets`: one
 Lua script per operation, so concurrent replicas never race; Redis's own clock, so replicas' clocks
 need not agree). When Redis cannot be reached the gateway keeps serving on local buckets, logs it
 once and sets `gateway_rate_limit_store_up` to 0; it tries Redis again after `REDIS_RETRY_SECONDS`.
