@@ -8,8 +8,9 @@ Per request, in order:
    refusal is a 429 `rate_limit_exceeded` with `retry-after`;
 4. admission for generating routes: a slot at once, a place in the queue, or a 503; a client that
    leaves while queued gives its place up at once (its disconnect is watched while it waits);
-5. the app; the slot is released when the response's last byte is sent or the client leaves, and the
-   request's prompt and completion tokens (from its `RequestContext`) are charged to the key.
+5. the app; the prompt's tokens (from the request's `RequestContext`) are charged as the response
+   starts; the slot is released when its last byte is sent or the client leaves, and the completion
+   tokens are charged then.
 A background response takes over its request's `Ticket` (`current_ticket`), holding the slot and
 charging its tokens when it ends.
 """
