@@ -105,3 +105,35 @@ async def test_spans_reach_the_collector_and_the_engine_sees_the_trace() -> None
             assert sim.requests[1].metadata["traceparent"].split("-")[1] != trace_id
     finally:
         await receiver.stop()
+
+
+async def test_mcp_calls_are_spans_of_the_request() -> None:
+    from tests.mcp.servers import build_docs_server, serve_mcp
+
+    receiver = OtlpReceiver()
+    endpoint = await receiver.start()
+    trace_id = os.urandom(16).hex()
+    try:
+        async with serve_mcp(build_docs_server([])) as docs:
+            async with sim_and_gateway(otlp_endpoint=endpoint, mcp_allow_hosts=("127.0.0.1",)) as (_, gw):
+                async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+                    tool = {
+                        "type": "mcp",
+                        "server_label": "docs",
+                        "server_url": docs.url,
+                        "require_approval": "never",
+                    }
+                    r = await http.post(
+                        "/v1/responses",
+                        json={"model": MODEL, "input": "Please search_docs for harmony", "tools": [tool]},
+                        headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
+                    )
+                    assert r.status_code == 200 and r.json()["status"] == "completed"
+
+                def names() -> list[str]:
+                    return [s[3] for s in receiver.spans if s[0] == trace_id]
+
+                # The tool call, between the engine calls of the two model turns (before and after it).
+                await until(lambda: "gateway.mcp.call" in names() and names().count("gateway.engine") == 2)
+    finally:
+        await receiver.stop()
