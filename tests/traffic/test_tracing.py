@@ -21,6 +21,7 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, str, str, str]] = []  # (trace id, span id, parent id, name)
+        self.attributes: dict[str, dict[str, str]] = {}  # span id → string attributes
         self.runner: web.AppRunner | None = None
 
     async def _export(self, request: web.Request) -> web.Response:
@@ -31,6 +32,9 @@ class OtlpReceiver:
                     self.spans.append(
                         (span.trace_id.hex(), span.span_id.hex(), span.parent_span_id.hex(), span.name)
                     )
+                    self.attributes[span.span_id.hex()] = {
+                        kv.key: kv.value.string_value for kv in span.attributes
+                    }
         return web.Response(
             body=ExportTraceServiceResponse().SerializeToString(), content_type="application/x-protobuf"
         )
@@ -74,6 +78,9 @@ async def test_spans_reach_the_collector_and_the_engine_sees_the_trace() -> None
             await until(lambda: wanted <= {s[3] for s in ours()})
             root = next(s for s in ours() if s[3] == "POST /v1/chat/completions")
             assert root[2] == parent_id  # the client's span is the parent: its trace continues
+            # No prompt text in any span without --log-prompts.
+            assert not any(k.startswith("gateway.prompt") for a in receiver.attributes.values() for k in a)
+            assert "Hello there" not in str(receiver.attributes)
             by_id = {s[1]: s for s in ours()}
             for span in ours():
                 if span is not root:
@@ -115,7 +122,9 @@ async def test_mcp_calls_are_spans_of_the_request() -> None:
     trace_id = os.urandom(16).hex()
     try:
         async with serve_mcp(build_docs_server([])) as docs:
-            async with sim_and_gateway(otlp_endpoint=endpoint, mcp_allow_hosts=("127.0.0.1",)) as (_, gw):
+            async with sim_and_gateway(
+                otlp_endpoint=endpoint, mcp_allow_hosts=("127.0.0.1",), log_prompts=True
+            ) as (_, gw):
                 async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
                     tool = {
                         "type": "mcp",
@@ -135,5 +144,10 @@ async def test_mcp_calls_are_spans_of_the_request() -> None:
 
                 # The tool call, between the engine calls of the two model turns (before and after it).
                 await until(lambda: "gateway.mcp.call" in names() and names().count("gateway.engine") == 2)
+                # With --log-prompts the request's span carries the prompt fields.
+                root = next(s for s in receiver.spans if s[0] == trace_id and s[3] == "POST /v1/responses")
+                assert (
+                    receiver.attributes[root[1]]["gateway.prompt.input"] == '"Please search_docs for harmony"'
+                )
     finally:
         await receiver.stop()

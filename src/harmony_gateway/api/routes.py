@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
+from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState, RequestContext, new_request_id
 from ..pipeline.run import run_chat
@@ -161,6 +162,7 @@ async def serve_pipeline(
         for field in prompt_fields:
             if body.get(field) is not None:
                 ctx.log_extra[field] = body[field]
+                tracing.annotate_prompt(field, body[field])
     result = await run_logged(ctx, run(state, schema.model_validate(body), ctx))
     if isinstance(result, (dict, list)):
         finish_request(ctx)

@@ -46,7 +46,9 @@ def configure(endpoint: str, service_name: str = "harmony-gateway") -> None:
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), schedule_delay_millis=200))
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), schedule_delay_millis=200)
+    )
     # Per app, not the process-global provider: a process may build several apps (tests), and the
     # global provider can be set only once.
     _provider = provider
@@ -84,6 +86,15 @@ def end_request_span(span: Any, token: Any, status: int | None) -> None:
     span.end()
     with contextlib.suppress(ValueError):  # detached in another context (a cancelled task)
         otel_context.detach(token)
+
+
+def annotate_prompt(field: str, value: Any) -> None:
+    """Record a prompt field on the request's span (callers do so only with --log-prompts)."""
+    if _provider is None:
+        return
+    import orjson
+
+    trace.get_current_span().set_attribute(f"gateway.prompt.{field}", orjson.dumps(value).decode())
 
 
 def start_span(name: str, attributes: dict[str, Any] | None = None) -> Any:
