@@ -409,7 +409,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="generation requests at the engines at once, for the whole gateway (default: no cap)",
     )
     p.add_argument(
-        "--queue-size", type=int, default=64, metavar="M", help="requests that may wait for a slot (default 64)"
+        "--queue-size",
+        type=int,
+        default=64,
+        metavar="M",
+        help="requests that may wait for a slot (default 64)",
     )
     p.add_argument(
         "--queue-timeout",

@@ -123,7 +123,9 @@ class SglangGrpcClient(GrpcEngineClient):
         return message
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
-        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata())
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         try:
             async for reply in call:

@@ -135,7 +135,9 @@ class VllmGrpcClient(GrpcEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
         kv_role = await self._kv_role() if request.bootstrap is not None else ""
-        call = self._stub.Generate(self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata())
+        call = self._stub.Generate(
+            self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         want_logprobs = request.return_logprob
         generated: dict[int, int] = {}  # running completion count per choice (chunks carry deltas)
