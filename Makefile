@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CLIENT_TOOLS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.197
 TOOLS_STAMP := .tools/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,13 +27,24 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/harmony-gateway serve --demo
 
-test: $(STAMP) $(TOOLS_STAMP)
+# The playground's browser tests drive Debian's Chromium through Playwright (never `playwright install`).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+			|| echo "warning: could not install chromium; the browser tests will be skipped"; \
+		else echo "warning: chromium is missing and installing it needs root:" \
+			"run 'sudo apt-get install -y chromium'; the browser tests will be skipped"; fi; }
+
+test: $(STAMP) $(TOOLS_STAMP) chromium
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
 	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format src tests benchmarks
@@ -43,4 +54,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_gateway.py
 
 clean:
-	rm -rf $(VENV) .tools build *.egg-info src/*.egg-info
+	rm -rf $(VENV) .tools build *.egg-info src/*.egg-info test-artifacts

@@ -10,7 +10,7 @@ import pytest
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args
 
 
-@pytest.mark.parametrize("command", [[], ["serve"], ["sim-engine"], ["vocab"]])
+@pytest.mark.parametrize("command", [[], ["serve"], ["sim-engine"], ["vocab"], ["render"]])
 def test_help_on_every_command(command: list[str]) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args([*command, "--help"])

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
+from .api.inspector import router as inspector_router
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router
@@ -158,6 +159,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
             async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
                 tg.start_soon(checker.run)
+                if settings.stream_interval == 0:
+                    tg.start_soon(gw.stream_tuner.run)
                 tg.start_soon(_watch_workers, gw, checker)
                 if settings.storage_retention:
                     tg.start_soon(_purge_expired, gw)
@@ -193,4 +196,5 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.include_router(workers_router)
     app.include_router(anthropic_router)
     app.include_router(generate_router)
+    app.include_router(inspector_router)
     return app

@@ -1,4 +1,4 @@
-"""Command line: `harmony-gateway serve | sim-engine | vocab`. Every command has --help."""
+"""Command line: `harmony-gateway serve | sim-engine | vocab | render`. Every command has --help."""
 
 from __future__ import annotations
 
@@ -59,13 +59,13 @@ def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
-def _stream_interval(value: str | None) -> int | None:
-    if value is None:
+def _stream_interval(value: str) -> int | None:
+    if value == "engine":
         return None
     if value == "auto":
         return 0
     if not value.isdigit() or int(value) < 1:
-        raise SystemExit(f"--stream-interval expects a positive number or 'auto', got {value!r}")
+        raise SystemExit(f"--stream-interval expects a positive number, 'auto' or 'engine', got {value!r}")
     return int(value)
 
 
@@ -263,10 +263,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stream-interval",
-        default=None,
-        metavar="N|auto",
+        default="auto",
+        metavar="N|auto|engine",
         help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas); "
-        "'auto' grows N with the worker's load",
+        "'auto' (default) sends as many tokens per message as the engine decodes in 10 ms, more while the "
+        "gateway itself is saturated; 'engine' leaves the engine's own setting",
     )
     p.add_argument(
         "--max-retries",
@@ -519,10 +520,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write the o200k vocabulary from quicktok-v1 and check its sha256.",
     )
     vocab.add_argument("--out", default=None, help="folder to write into (default: the cache folder)")
+    add_render_arguments(
+        sub.add_parser(
+            "render",
+            help="show the exact Harmony prompt a request would send",
+            description=(
+                "Print what POST /v1/harmony/render returns for a saved request: the prompt with its "
+                "special tokens, token ids, messages, stop ids, sampling and routing. FILE holds "
+                '{"api": "chat"|"responses"|"messages", "request": {...}}, or a bare request body with '
+                "--api. Rendered locally (no engine, no worker) unless --gateway names a running gateway."
+            ),
+        )
+    )
     return parser
 
 
+def add_render_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", metavar="FILE", help="the saved request (JSON); - reads standard input")
+    p.add_argument(
+        "--api",
+        choices=["chat", "responses", "messages"],
+        default=None,
+        help="the API of a bare request body",
+    )
+    p.add_argument("--gateway", default=None, help="ask this running gateway (http://host:port) instead")
+    p.add_argument(
+        "--api-key", default=None, help="the key for --gateway (default: $HARMONY_GATEWAY_API_KEY)"
+    )
+    p.add_argument("--json", action="store_true", help="print the whole JSON answer")
+    p.add_argument(
+        "--conversation-start-date", default=None, help="the date in the system message (default: today, UTC)"
+    )
+
+
 DEMO_TEXT = """
+Playground: http://{host}:{port}/   (open it in a browser)
+
 harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engine {sim}
 
   curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' \\
@@ -535,6 +568,8 @@ harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engin
   print("reasoning:", r.choices[0].message.reasoning_content)
   print("answer:   ", r.choices[0].message.content)
   PY
+
+  harmony-gateway render request.json   # the exact Harmony prompt a saved request would send
 
 Press Ctrl+C to stop.
 """
@@ -563,11 +598,11 @@ async def _serve(settings: Settings, demo: bool) -> None:
         log_config=None,
     )
     server = DrainingServer(config)
-    if demo:
+    if sim is not None:  # demo mode
         print(
             DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
             flush=True,
-        )  # type: ignore[union-attr]
+        )
     try:
         await server.serve()
     finally:
@@ -612,6 +647,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         _run(serve_forever(config))
         return
+    if args.command == "render":
+        configure_logging("warning")
+        raise SystemExit(_render_command(args))
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_json)
     problem = invalid_setting(settings)
@@ -636,6 +674,112 @@ def main(argv: Sequence[str] | None = None) -> None:
         _serve_processes(settings, list(sys.argv[1:] if argv is None else argv), args.workers)
         return
     _run(_serve(settings, args.demo))
+
+
+def _render_command(args: argparse.Namespace) -> int:
+    import json
+
+    try:
+        raw = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+        payload = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        print(f"harmony-gateway render: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    if args.api is not None:
+        payload = {"api": args.api, "request": payload}
+    try:
+        result = asyncio.run(_render(args, payload))
+    except RenderFailed as exc:
+        print(f"harmony-gateway render: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        print(format_render(result))
+    return 0
+
+
+class RenderFailed(Exception):
+    """The request could not be rendered; the message says why (the gateway's error message)."""
+
+
+async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
+    from pydantic import ValidationError
+
+    from .errors import GatewayError
+
+    if args.gateway:
+        import httpx
+
+        key = args.api_key or os.environ.get("HARMONY_GATEWAY_API_KEY")
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                response = await client.post(
+                    args.gateway.rstrip("/") + "/v1/harmony/render", json=payload, headers=headers
+                )
+        except httpx.HTTPError as exc:
+            raise RenderFailed(f"cannot reach {args.gateway}: {exc}") from None
+        body = (
+            response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        )
+        if response.status_code != 200:
+            message = (body.get("error") or {}).get("message") or response.text
+            raise RenderFailed(f"{response.status_code}: {message}")
+        return body  # type: ignore[no-any-return]
+    from .pipeline.inspect import render_offline
+
+    settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
+    try:
+        return await render_offline(settings, payload)
+    except (GatewayError, ValidationError, BaseExceptionGroup) as exc:
+        raise RenderFailed(_render_error(exc)) from None
+
+
+def _render_error(exc: BaseException) -> str:
+    """One line for an offline rendering failure (the MCP pool's task group wraps errors in groups)."""
+    from pydantic import ValidationError
+
+    from .api.error_responses import validation_error_to_invalid
+    from .errors import GatewayError
+
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, ValidationError):
+        exc = validation_error_to_invalid(exc)
+    if isinstance(exc, GatewayError):
+        where = f" ({exc.param})" if getattr(exc, "param", None) else ""
+        return f"{exc.message}{where}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def format_render(result: dict[str, Any]) -> str:
+    """The prompt as text, then its messages, stop ids, sampling and routing, for a terminal."""
+    lines = [result.get("prompt_text", ""), ""]
+    lines.append(f"{result['token_count']} tokens for {result['model']} ({result['api']})")
+    for m in result.get("messages", []):
+        head = m["role"] + (f" ({m['channel']})" if m.get("channel") else "")
+        head += f" to={m['recipient']}" if m.get("recipient") else ""
+        lines.append(f"  {m['token_count']:>6}  {head}")
+    lines.append(f"token ids: {result['token_ids']}")
+    lines.append(f"stop token ids: {result['stop_token_ids']}")
+    sampling = {k: v for k, v in result["sampling"].items() if v is not None and v != [] and v is not False}
+    lines.append(f"sampling: {sampling}")
+    if result.get("constraint"):
+        lines.append(f"constraint ({result['constraint']['type']}): {result['constraint']['value']}")
+    routing = result.get("routing") or {}
+    worker = routing.get("worker")
+    lines.append(
+        f"routing: {routing.get('policy')} would pick "
+        + (f"{worker['id']} ({worker['url']})" if worker else "no worker")
+        + (
+            f", cached prefix {routing['cache_match_tokens']} tokens"
+            if routing.get("cache_match_tokens")
+            else ""
+        )
+    )
+    lines.extend(f"note: {note}" for note in result.get("notes", []))
+    return "\n".join(lines)
 
 
 _ARGV_ENV = "HARMONY_GATEWAY_SERVE_ARGV"
@@ -698,6 +842,9 @@ def app_from_env() -> Any:
     from .observability.logging import configure_logging
 
     args = build_parser().parse_args(json.loads(os.environ[_ARGV_ENV]))
+    if args.command == "render":
+        configure_logging("warning")
+        raise SystemExit(_render_command(args))
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_json)
     return create_app(settings)

@@ -51,8 +51,8 @@ class Settings:
     processes: int = 1
     max_retries: int = 2
     #: Tokens per streamed engine message (SGLang `stream_interval`); None leaves the engine's default,
-    #: 0 adapts it to the worker's load (`pipeline.dispatch.adaptive_stream_interval`).
-    stream_interval: int | None = None
+    #: 0 (the default) adapts it to the decode rate and the gateway's load (pipeline/stream_interval.py).
+    stream_interval: int | None = 0
     retry_backoff: float = 0.05
     health_interval: float = 5.0
     health_timeout: float = 2.0

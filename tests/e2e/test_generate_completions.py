@@ -111,7 +111,11 @@ async def test_generate_batch_and_n(http: httpx.AsyncClient) -> None:
 async def test_generate_stream_is_cumulative(http: httpx.AsyncClient) -> None:
     r = await http.post(
         "/generate",
-        json={"input_ids": _ids(PROMPT), "stream": True, "sampling_params": {"max_new_tokens": 200}},
+        json={
+            "input_ids": _ids(PROMPT),
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "stream_interval": 1},
+        },
     )
     events = _sse(r.text)
     assert events[-1] == "[DONE]"

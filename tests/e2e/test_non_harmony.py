@@ -64,6 +64,9 @@ def _settings(sim: RunningSim, **overrides: Any) -> Any:
         worker_urls=(sim.url,),
         reasoning_parsers={MODEL: "think"},
         tool_call_parsers={MODEL: "json"},
+        # One token per engine message, so multi-byte characters straddle messages and the
+        # incremental detokenizer's boundary handling is what the streams below exercise.
+        stream_interval=1,
         **overrides,
     )
 
@@ -416,3 +419,22 @@ async def test_messages_count_tokens(claude: anthropic.AsyncAnthropic, qwen_sim:
     counted = await claude.messages.count_tokens(model=MODEL, messages=messages)
     await claude.messages.create(model=MODEL, max_tokens=50, messages=messages)
     assert counted.input_tokens == len(qwen_sim.requests[-1].input_ids)
+
+
+async def test_prompt_inspector_shows_the_chat_template_prompt(
+    qwen_gateway: RunningGateway, qwen_sim: RunningSim, tokenizer_dir: Path
+) -> None:
+    """For a chat-template model the inspector shows the template's text and the model tokenizer's ids:
+    the ids the engine then receives."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], "tools": [WEATHER_TOOL]}
+    async with httpx.AsyncClient(base_url=qwen_gateway.url, timeout=30) as http:
+        shown = (await http.post("/v1/harmony/render", json={"api": "chat", "request": body})).json()
+        assert shown["harmony"] is False and shown["messages"] == []
+        assert "Hi there" in shown["prompt_text"] and "get_weather" in shown["prompt_text"]
+        tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        assert shown["token_ids"] == tokenizer.encode(shown["prompt_text"], add_special_tokens=False).ids
+        assert [i for i, _ in shown["tokens"]] == shown["token_ids"]
+        assert all(isinstance(text, str) and text for _, text in shown["tokens"])
+        before = len(qwen_sim.requests)
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert qwen_sim.requests[before].input_ids == shown["token_ids"]

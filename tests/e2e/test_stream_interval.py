@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import openai
 
+from harmony_gateway.pipeline.stream_interval import MAX_INTERVAL, VISIBLE_GAP_SECONDS, StreamIntervalTuner
+from harmony_gateway.routing.workers import Worker
 from tests.conftest import MODEL
 from tests.support.servers import running_gateway, test_settings
 
@@ -26,10 +28,43 @@ async def test_stream_interval_reaches_the_engine_and_keeps_text(sim) -> None:
             assert "".join(reasoning) == whole.choices[0].message.model_extra["reasoning_content"]
 
 
-def test_adaptive_interval_grows_with_load() -> None:
-    from harmony_gateway.pipeline.dispatch import adaptive_stream_interval
+def _worker() -> Worker:
+    return Worker("grpc://w:1", client=None)  # type: ignore[arg-type]
 
-    assert [adaptive_stream_interval(n) for n in (0, 7, 8, 31, 32, 500)] == [1, 1, 2, 2, 4, 4]
+
+def test_auto_interval_follows_the_decode_rate() -> None:
+    tuner, worker = StreamIntervalTuner(), _worker()
+    assert tuner.interval_for(worker) == 1  # not measured yet: one token per message
+    for _ in range(200):
+        tuner.observe(worker, 0.020, 1)  # 50 tokens/s: any coarser would show
+    assert tuner.interval_for(worker) == 1
+    for _ in range(600):
+        tuner.observe(worker, 0.004, 4)  # 1000 tokens/s, four tokens a message
+    assert tuner.interval_for(worker) == int(VISIBLE_GAP_SECONDS / 0.001)
+    for _ in range(400):
+        tuner.observe(worker, 0.00001, 1)
+    assert tuner.interval_for(worker) == MAX_INTERVAL
+    tuner.observe(worker, 5.0, 0)  # the closing message carries no tokens: no sample
+    assert tuner.interval_for(worker) == MAX_INTERVAL
+
+
+def test_auto_interval_grows_while_the_loop_lags_and_shrinks_after() -> None:
+    tuner, worker = StreamIntervalTuner(), _worker()
+    for _ in range(200):
+        tuner.observe(worker, 0.020, 1)
+    for _ in range(4):
+        tuner.note_lag(0.050)  # a burst, not saturation
+    tuner.note_lag(0.0)
+    assert tuner.interval_for(worker) == 1
+    for _ in range(5):
+        tuner.note_lag(0.050)
+    assert tuner.interval_for(worker) == 2
+    for _ in range(5 * 10):
+        tuner.note_lag(0.050)
+    assert tuner.interval_for(worker) == MAX_INTERVAL
+    for _ in range(15 * 10):
+        tuner.note_lag(0.0)
+    assert tuner.interval_for(worker) == 1
 
 
 def test_cli_accepts_auto_and_numbers_only() -> None:
@@ -41,7 +76,9 @@ def test_cli_accepts_auto_and_numbers_only() -> None:
         args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--stream-interval", value])
         return settings_from_args(args).stream_interval
 
-    assert parse("auto") == 0 and parse("4") == 4
+    assert parse("auto") == 0 and parse("4") == 4 and parse("engine") is None
+    default = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1"])
+    assert settings_from_args(default).stream_interval == 0
     with pytest.raises(SystemExit):
         parse("0")
 

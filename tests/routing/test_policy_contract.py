@@ -99,3 +99,21 @@ def test_survives_worker_removal(name: str) -> None:
     policy.on_worker_removed(workers[0])
     remaining = workers[1:]
     assert all(policy.select(remaining, r) in remaining for r in requests(40))
+
+
+def test_peek_names_the_next_selection_and_changes_nothing(name: str) -> None:
+    """The prompt inspector's routing answer: `peek` is the worker `select` then picks, and peeking any
+    number of times leaves the sequence of selections exactly as it would have been."""
+    peeking = create_policy(name, seed=3) if _seeded(name) else create_policy(name)
+    plain = create_policy(name, seed=3) if _seeded(name) else create_policy(name)
+    workers = make_workers(4)
+    for i, request in enumerate(requests(120)):
+        workers[i % 4].in_flight = i % 3
+        peeked = [peeking.peek(workers, request).id for _ in range(2)]
+        chosen = peeking.select(workers, request).id
+        assert peeked == [chosen, chosen]
+        assert plain.select(workers, request).id == chosen
+
+
+def _seeded(name: str) -> bool:
+    return name in ("random", "power_of_two", "consistent_hash")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -57,7 +58,7 @@ def param_from_loc(loc: tuple[Any, ...]) -> str | None:
 
 def validation_error_to_invalid(exc: ValidationError | RequestValidationError) -> InvalidRequest:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    first: Mapping[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = param_from_loc(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid request")
     if param:

@@ -91,8 +91,17 @@ def check_depth(data: Any) -> None:
 
 
 def json_response(data: Any, ctx: RequestContext | None = None, status: int = 200) -> Response:
-    headers = {"x-request-id": ctx.request_id} if ctx is not None else None
+    headers = context_headers(ctx) if ctx is not None else None
     return Response(orjson.dumps(data), status_code=status, media_type="application/json", headers=headers)
+
+
+def context_headers(ctx: RequestContext) -> dict[str, str]:
+    """`x-request-id`, and `x-worker`: the id of the worker that served the request (as listed by
+    /v1/workers), which the playground shows under each turn."""
+    headers = {"x-request-id": ctx.request_id}
+    if ctx.worker is not None:
+        headers["x-worker"] = ctx.worker.id
+    return headers
 
 
 async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIterator[bytes]:
@@ -133,7 +142,7 @@ def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> Streaming
         _logged(coalesce(stream), ctx),
         ctx,
         media_type="text/event-stream",
-        headers={**SSE_HEADERS, "x-request-id": ctx.request_id},
+        headers={**SSE_HEADERS, **context_headers(ctx)},
     )
 
 

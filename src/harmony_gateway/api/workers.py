@@ -64,7 +64,7 @@ async def create_worker(request: Request) -> Response:
         raise InvalidRequest("'url' is required, e.g. grpc://host:port", param="url")
     kind_name = _field(body, "kind", WorkerKind.REGULAR.value)
     try:
-        kind = WorkerKind(kind_name)
+        kind = WorkerKind(kind_name or "")  # null is an unknown kind too
     except ValueError:
         raise InvalidRequest(
             f"unknown worker kind {kind_name!r}; expected one of {_KINDS}", param="kind"

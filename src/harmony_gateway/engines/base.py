@@ -8,7 +8,7 @@ translate transport failures into `errors.Upstream*` at their boundary.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,11 +129,11 @@ class EngineClient(Protocol):
 
     url: str
 
-    async def model_info(self) -> ModelInfo: ...
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo: ...
 
     async def health(self, timeout: float) -> bool: ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         """Stream chunks for every choice; raises errors.Upstream* on failure. Cancelling the iteration
         does not abort the engine request: callers call `abort` (dispatch does, shielded)."""
         ...

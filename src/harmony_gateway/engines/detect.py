@@ -9,7 +9,7 @@ succeeds the worker takes no traffic and later probes try again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -82,7 +82,7 @@ class DetectingGrpcClient:
         data: bytes = await fetch(timeout=timeout)
         return data
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._inner is None:
             # Unreachable in practice: a worker takes traffic only after a probe, which detects.
             raise UpstreamUnavailable(f"the engine protocol of {self.url} is not known yet")

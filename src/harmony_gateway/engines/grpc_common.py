@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import Any
 
 import grpc
 
@@ -73,8 +73,10 @@ class GrpcEngineClient:
     A subclass names its wire in `_pb` (the generated `*_pb2` module) and `_stub_type` (its stub class).
     """
 
-    _pb: ClassVar[ModuleType]
-    _stub_type: ClassVar[Callable[[grpc.aio.Channel], Any]]
+    # Set once per subclass; not declared ClassVar, which would make mypy bind the stub class as a method
+    # and reject the plain `_pb = module` assignments of the subclasses.
+    _pb: ModuleType
+    _stub_type: Callable[[grpc.aio.Channel], Any]
 
     def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
         self.url = url

@@ -24,7 +24,7 @@ abort the request, so `abort()` does nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -132,7 +132,8 @@ class HttpUpstreamClient:
         self.url = url
         self.api = api
         #: `?model=NAME` picks one of several models the server lists.
-        self.model_name: str | None = (query.get("model") or [None])[0]
+        models = query.get("model")
+        self.model_name: str | None = models[0] if models else None
         self.base_url = f"{parts.scheme}://{parts.netloc}{path}"
         headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self._client = httpx.AsyncClient(
@@ -196,7 +197,7 @@ class HttpUpstreamClient:
             return self.api
         return "completions" if "completions" in bodies else "chat"
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         bodies = request.upstream_body
         if not bodies:
             raise UpstreamRejected(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -122,7 +122,7 @@ class SglangGrpcClient(GrpcEngineClient):
             )
         return message
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         call = self._stub.Generate(
             self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
         )

@@ -20,7 +20,7 @@ see `kv_transfer_params`.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -133,7 +133,7 @@ class VllmGrpcClient(GrpcEngineClient):
                 return ""  # unknown role: the worker is treated as a consumer, and asked again next time
         return self.kv_role or ""
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         kv_role = await self._kv_role() if request.bootstrap is not None else ""
         call = self._stub.Generate(
             self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata()

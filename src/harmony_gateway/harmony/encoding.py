@@ -12,7 +12,7 @@ import contextlib
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from openai_harmony import (
@@ -90,7 +90,7 @@ class PromptRenderer:
         import quicktok
 
         self._encoding = encoding or get_encoding()
-        self._encode_text = quicktok.get_encoding("o200k_base").encode_ordinary
+        self._encode_text: Callable[[str], list[int]] = quicktok.get_encoding("o200k_base").encode_ordinary
         self._prefix_cache: OrderedDict[Hashable, list[int]] = OrderedDict()
         self._frames: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
         self._cache_size = cache_size

@@ -517,7 +517,9 @@ class HarmonyTextParser(_Emitter):
         """One of "undetermined", "harmony", "stripped", "marker", "passthrough"."""
         if self._mode is _Mode.DELEGATED:
             return "marker" if isinstance(self._delegate, MarkerParser) else "passthrough"
-        return self._mode.value
+        # mypy types `.value` of an enum narrowed by `is` as Any.
+        value: str = self._mode.value
+        return value
 
     def feed(self, chunk: str) -> list[TextEvent]:
         """Parse the next chunk; returns the events it completes (possibly none)."""
@@ -530,6 +532,7 @@ class HarmonyTextParser(_Emitter):
         if mode is _DELEGATED:
             assert self._delegate is not None
             return self._delegate.feed(chunk)
+        out: list[TextEvent]
         self._out = out = []
         if mode is _HARMONY:
             state = self._state

@@ -104,7 +104,8 @@ def split_header_only(
     rest = header.replace("<|constrain|>", " <|constrain|>")
     if rest.startswith("<|start|>"):
         match = _ROLE_WORD.match(rest, 9)
-        role, rest = match.group(0), rest[match.end() :]  # type: ignore[union-attr]
+        assert match is not None  # the pattern matches the empty string too
+        role, rest = match.group(0), rest[match.end() :]
     before, sep, after = rest.partition("<|channel|>")
     if not sep:
         if role is None:
@@ -362,6 +363,8 @@ class HarmonyOutputParser:
         """Consume one token of canonical output; False (nothing changed) for anything else."""
         state = self._fstate
         if state == _F_CONTENT:
+            # `_F_CONTENT` is entered with `_open` and `_decoder` set; the ignores below stand for asserts
+            # that would cost time on every token.
             if token < FIRST_SPECIAL_ID:
                 try:
                     text = self._decoder.decode(_token_bytes()(token))  # type: ignore[union-attr]
@@ -453,6 +456,7 @@ class HarmonyOutputParser:
                 break
             if token < FIRST_SPECIAL_ID:
                 if self._in_content:
+                    # `_in_content` implies an open message; no assert on this per-token path.
                     msg = self._open
                     msg.tokens += 1  # type: ignore[union-attr]
                     delta = parser.last_content_delta
@@ -500,7 +504,8 @@ class HarmonyOutputParser:
         # left in the text was written with ordinary tokens (the model quoting the format) and is real text.
         completed = self._parser.messages[-1]
         text = "".join(getattr(part, "text", "") for part in completed.content)
-        self._open.tokens += 1  # type: ignore[union-attr]
+        assert self._open is not None
+        self._open.tokens += 1
         self._in_content = False
         self._close(text, terminator, events)
 
@@ -537,13 +542,15 @@ class HarmonyOutputParser:
         if self._halted:
             return events
         if self._fast:
-            if self._fstate == _F_CONTENT and not self._decoder.getstate()[0]:  # type: ignore[union-attr]
-                # process_eos() closes open canonical text as it is: nothing more to emit.
-                self._fast_eos = True
-                self._fstate = _F_STOPPED
-                self._in_content = False
-                self._close(self._open.text, None, events)  # type: ignore[union-attr]
-                return events
+            if self._fstate == _F_CONTENT:
+                assert self._decoder is not None and self._open is not None
+                if not self._decoder.getstate()[0]:
+                    # process_eos() closes open canonical text as it is: nothing more to emit.
+                    self._fast_eos = True
+                    self._fstate = _F_STOPPED
+                    self._in_content = False
+                    self._close(self._open.text, None, events)
+                    return events
             if self._open is None and not self._header_ids:
                 return events  # between messages: nothing to close
             self._fall_back()
@@ -585,7 +592,8 @@ def _token_bytes() -> Callable[[int], bytes]:
     ~0.4 µs a call; a table of all ranks would save ~0.3 µs a token for ~20 MB per process."""
     import quicktok
 
-    return quicktok.get_encoding("o200k_base").decode_single_token_bytes  # type: ignore[no-any-return]
+    decode: Callable[[int], bytes] = quicktok.get_encoding("o200k_base").decode_single_token_bytes
+    return decode
 
 
 @functools.cache

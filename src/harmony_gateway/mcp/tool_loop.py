@@ -185,8 +185,9 @@ def error_text(error: Any) -> str:
         return error
     if not isinstance(error, dict):
         return ""
-    if isinstance(error.get("message"), str):
-        return error["message"]
+    message = error.get("message")
+    if isinstance(message, str):
+        return message
     pieces = [
         str(block.get("text", ""))
         for block in error.get("content") or ()

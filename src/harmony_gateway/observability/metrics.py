@@ -187,14 +187,15 @@ class GatewayMetrics:
         )
         self._fleet = FleetCollector(workers) if workers is not None else None
         if self._fleet is not None:
-            r.register(self._fleet)  # type: ignore[arg-type]
+            r.register(self._fleet)
         self._scrape_registry = r
         if multiprocess_dir():
             # Values live in per-process files; a fresh registry merges them at every scrape.
             self._scrape_registry = CollectorRegistry()
-            MultiProcessCollector(self._scrape_registry)
+            # prometheus_client leaves this constructor unannotated.
+            MultiProcessCollector(self._scrape_registry)  # type: ignore[no-untyped-call]
             if self._fleet is not None:
-                self._scrape_registry.register(self._fleet)  # type: ignore[arg-type]
+                self._scrape_registry.register(self._fleet)
 
     def observe(self, ctx: RequestContext, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""

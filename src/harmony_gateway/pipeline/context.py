@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import SamplingOptions
 from ..settings import Settings
+from .stream_interval import StreamIntervalTuner
 
 if TYPE_CHECKING:
     from openai_harmony import HarmonyEncoding
@@ -35,6 +36,8 @@ class GatewayState:
     tokenizers: dict[str, Any] = field(default_factory=dict)
     background: Any = None
     health_config: Any = None
+    #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
+    stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
 
 
 def new_request_id() -> str:

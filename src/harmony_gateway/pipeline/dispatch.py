@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 
@@ -41,8 +41,8 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
 
 
 async def _first_then_rest(
-    stream: AsyncIterator[EngineChunk], first_token_timeout: float, url: str
-) -> AsyncIterator[EngineChunk]:
+    stream: AsyncGenerator[EngineChunk, None], first_token_timeout: float, url: str
+) -> AsyncGenerator[EngineChunk, None]:
     # Closed on every exit: a consumer that stops leaves `stream` at a yield, and only aclose() runs the
     # engine client's cleanup (cancelling its gRPC call) before the garbage collector gets to it.
     async with contextlib.aclosing(stream):
@@ -71,7 +71,7 @@ async def _drain_prefill(worker: Worker, request: GenerateRequest) -> EngineChun
 
 async def _generate_pd(
     decode: Worker, prefill: Worker, request: GenerateRequest, timeout: float
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     consumer = asyncio.current_task()
     prefill_task = asyncio.create_task(_drain_prefill(prefill, request))
 
@@ -100,17 +100,6 @@ async def _generate_pd(
             prefill_task.cancel()
 
 
-def adaptive_stream_interval(in_flight: int) -> int:
-    """Tokens per engine message for a stream started on a worker with `in_flight` requests: one while
-    it is lightly loaded (lowest latency), more as load grows, where each gRPC message costs the
-    gateway far more CPU than a token and batching keeps throughput up."""
-    if in_flight < 8:
-        return 1
-    if in_flight < 32:
-        return 2
-    return 4
-
-
 async def dispatch(
     state: GatewayState,
     prepared: PreparedRequest,
@@ -119,12 +108,13 @@ async def dispatch(
     stream: bool,
     input_ids: list[int] | None = None,
     pinned: Worker | None = None,
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     """Stream engine chunks for a prepared request. `pinned` keeps a tool loop on one worker while it
     stays available (its prefix cache holds the conversation)."""
     settings = state.settings
     timeouts = settings.timeouts
     metrics = state.metrics
+    tuner = state.stream_tuner
     tried: list[Worker] = []
     attempt = 0
     while True:
@@ -141,9 +131,7 @@ async def dispatch(
             bootstrap=bootstrap,
             input_ids=input_ids,
             stream_interval=(
-                adaptive_stream_interval(worker.in_flight)
-                if settings.stream_interval == 0
-                else settings.stream_interval
+                tuner.interval_for(worker) if settings.stream_interval == 0 else settings.stream_interval
             ),
         )
         yielded = False
@@ -161,16 +149,21 @@ async def dispatch(
             # `yield` would cancel whatever the consumer awaits meanwhile (a socket write) and surface as
             # a bare CancelledError instead of UpstreamTimeout.
             deadline = time.monotonic() + timeouts.total
+            previous = 0.0
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
+                    now = time.monotonic()
                     if not yielded:
                         yielded = True
                         if ctx.first_token_at is None:
                             ctx.first_token_at = time.perf_counter()
-                    elif time.monotonic() > deadline:
+                    elif now > deadline:
                         raise UpstreamTimeout(
                             f"engine at {worker.url} did not finish within {timeouts.total:g} s"
                         )
+                    elif stream:
+                        tuner.observe(worker, now - previous, len(chunk.token_ids))
+                    previous = now
                     yield chunk
             finished = True
             for w in workers:

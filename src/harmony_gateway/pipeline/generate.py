@@ -429,6 +429,7 @@ def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> Samplin
     sampling.json_schema = params.json_schema
     sampling.regex = params.regex
     sampling.structural_tag = params.structural_tag
+    sampling.stream_interval = params.stream_interval  # the caller's own wins over --stream-interval
     return sampling
 
 

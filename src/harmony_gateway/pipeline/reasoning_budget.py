@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from ..engines.base import EngineChunk
 from ..errors import InvalidRequest
@@ -113,8 +113,8 @@ def with_reasoning_budget(
     state: GatewayState,
     prepared: PreparedRequest,
     ctx: RequestContext,
-    chunks: AsyncIterator[EngineChunk],
-) -> AsyncIterator[EngineChunk]:
+    chunks: AsyncGenerator[EngineChunk, None],
+) -> AsyncGenerator[EngineChunk, None]:
     """`chunks` unchanged when there is no budget (or the model is not Harmony), else the budgeted stream.
 
     The caller closes the returned iterator (which closes `chunks`, aborting the engine request)."""
@@ -128,9 +128,9 @@ async def _budgeted(
     state: GatewayState,
     prepared: PreparedRequest,
     ctx: RequestContext,
-    chunks: AsyncIterator[EngineChunk],
+    chunks: AsyncGenerator[EngineChunk, None],
     budget: int,
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     n = max(prepared.n, 1)
     decode = state.encoding.decode
     meters = [AnalysisMeter(decode) for _ in range(n)]
@@ -190,7 +190,7 @@ async def _continue(
     index: int,
     kept: list[int],
     opener: list[int],
-) -> AsyncIterator[EngineChunk]:
+) -> AsyncGenerator[EngineChunk, None]:
     used = len(kept)
     input_ids = [*prepared.input_ids, *kept, *opener]
     remaining = prepared.sampling.max_new_tokens

@@ -36,7 +36,7 @@ def new_id(prefix: str) -> str:
 
 def _parts(content: Any, role: str, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
-        kind = "output_text" if role == "assistant" else "input_text"
+        kind: Any = "output_text" if role == "assistant" else "input_text"
         part: dict[str, Any] = {"type": kind, "text": content}
         if kind == "output_text":
             part["annotations"] = []

@@ -233,6 +233,7 @@ class ResponseBuilder:
 
     def _start(self, key: int, msg: tp.ParsedMessage) -> None:
         kind = msg.kind
+        item: dict[str, Any]
         if kind == tp.FUNCTION_CALL:
             item = {
                 "type": "function_call",
@@ -379,6 +380,7 @@ class ResponseBuilder:
 
     def _tool_event(self, etype: int, msg: tp.ParsedMessage, text: str | None) -> None:
         key = id(msg)
+        slot: ToolSlot | None
         if etype == tp.START:
             decision = self.tools.decide(msg.name or "") if self.tools is not None else None
             slot = ToolSlot(msg, decision)

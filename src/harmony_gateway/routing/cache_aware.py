@@ -281,6 +281,17 @@ class CacheAwarePolicy(RoutingPolicy):
             self._record(key, chosen.id)
         return chosen
 
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self._choose(available_workers(workers, request), self._key(request))
+
+    def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int:
+        """The longest prefix of the request's key any of `workers` is recorded to hold, in tokens
+        (characters with `cache_key="selection-text"`); reads the tree without touching it."""
+        key = self._key(request)
+        if not key:
+            return 0
+        return self._tree.match(key, {w.id for w in workers})[0]
+
     def on_worker_removed(self, worker: Worker) -> None:
         self._tree.remove_worker(worker.id)
 

@@ -15,6 +15,7 @@ import random
 from collections.abc import Sequence
 
 from .policy import RoutingPolicy, RoutingRequest, available_workers
+from .random_policy import twin_rng
 from .workers import Worker
 
 # Rings for this many distinct worker sets are kept (one per model in practice); beyond that the
@@ -56,10 +57,16 @@ class ConsistentHashPolicy(RoutingPolicy):
         self._rings: dict[frozenset[str], _Ring] = {}
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self._pick(workers, request, self._rng)
+
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self._pick(workers, request, twin_rng(self._rng))
+
+    def _pick(self, workers: Sequence[Worker], request: RoutingRequest, rng: random.Random) -> Worker:
         candidates = available_workers(workers, request)
         if request.routing_key is None:
             least = min(w.in_flight for w in candidates)
-            return self._rng.choice([w for w in candidates if w.in_flight == least])
+            return rng.choice([w for w in candidates if w.in_flight == least])
         by_url = {w.url: w for w in candidates}
         ring = self._ring([w.url for w in workers])
         start = bisect.bisect_right(ring.hashes, _hash(request.routing_key))

@@ -44,6 +44,11 @@ class RoutingPolicy(Protocol):
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker: ...
 
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        """The worker `select` would pick now, changing nothing (no counter, cache or random state
+        moves): the prompt inspector explains routing with it. Raises like `select`."""
+        ...
+
     def on_request_done(self, worker: Worker, request: RoutingRequest) -> None:
         """Called once the request placed on `worker` has finished, successfully or not."""
         return None

@@ -6,6 +6,7 @@ import random
 from collections.abc import Sequence
 
 from .policy import RoutingPolicy, RoutingRequest, available_workers
+from .random_policy import twin_rng
 from .workers import Worker
 
 
@@ -23,8 +24,15 @@ class PowerOfTwoPolicy(RoutingPolicy):
         self._rng = random.Random(seed)
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self._pick(workers, request, self._rng)
+
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return self._pick(workers, request, twin_rng(self._rng))
+
+    @staticmethod
+    def _pick(workers: Sequence[Worker], request: RoutingRequest, rng: random.Random) -> Worker:
         candidates = available_workers(workers, request)
         if len(candidates) == 1:
             return candidates[0]
-        a, b = self._rng.sample(candidates, 2)
+        a, b = rng.sample(candidates, 2)
         return b if b.in_flight < a.in_flight else a

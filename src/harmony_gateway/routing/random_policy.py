@@ -22,3 +22,13 @@ class RandomPolicy(RoutingPolicy):
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         return self._rng.choice(available_workers(workers, request))
+
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        return twin_rng(self._rng).choice(available_workers(workers, request))
+
+
+def twin_rng(rng: random.Random) -> random.Random:
+    """A generator in the same state: its next draw is `rng`'s next draw, without advancing `rng`."""
+    twin = random.Random()
+    twin.setstate(rng.getstate())
+    return twin

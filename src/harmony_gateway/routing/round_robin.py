@@ -25,3 +25,7 @@ class RoundRobinPolicy(RoutingPolicy):
         worker = candidates[self._next % len(candidates)]
         self._next += 1
         return worker
+
+    def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        candidates = available_workers(workers, request)
+        return candidates[self._next % len(candidates)]

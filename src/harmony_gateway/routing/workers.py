@@ -55,6 +55,8 @@ class Worker:
     breaker_cooldown: float = 30.0
     bootstrap_port: int | None = None
     engine: str = "sglang"
+    #: Average seconds per generated token seen on this worker's streams (pipeline/stream_interval.py).
+    token_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

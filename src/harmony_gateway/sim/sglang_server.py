@@ -108,15 +108,15 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 prefix = b"\x0a" + _varint(len(raw_id)) + raw_id
                 frames = {plan.index: self._frames(plan, size, prompt_tokens, cached) for plan in plans}
                 async for step in run.stream_steps(plans, size):
-                    chunks, complete = frames[step.plan.index]
+                    chunks, complete_frame = frames[step.plan.index]
                     yield prefix + chunks[step.start // size]
                     if step.last:
-                        yield prefix + complete
+                        yield prefix + complete_frame
             else:
                 async for step in run.stream_steps(plans, size):
                     plan = step.plan
                     tokens = plan.visible(step.start, step.end)
-                    logprobs = output_logprobs(tokens, step.start, top)
+                    logprobs: pb.OutputLogProbs | None = output_logprobs(tokens, step.start, top)
                     chunk = pb.GenerateStreamChunk(
                         token_ids=tokens,
                         prompt_tokens=prompt_tokens,

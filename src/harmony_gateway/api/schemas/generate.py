@@ -40,6 +40,8 @@ class SglangSamplingParams(_Open):
     regex: str | None = None
     structural_tag: str | None = None
     sampling_seed: Seed | None = None
+    #: Tokens per streamed message, as SGLang's own field; unset: the gateway's --stream-interval.
+    stream_interval: int | None = Field(default=None, ge=1, le=1024)
 
 
 class GenerateRequest(_Open):

@@ -1,0 +1,82 @@
+"""The prompt inspector (`POST /v1/harmony/render`, `POST /v1/harmony/parse`) and the playground page
+(`GET /`, `GET /playground`, its files under `/playground/static/`), served from the package's `static/`
+folder: plain HTML, CSS and JavaScript, no CDN and no build step, so it works offline.
+
+The inspector routes authenticate and read their bodies like every generating route (`new_context`,
+`json_body`), and run the prepare stage as the owner of the key, so a stored response of another key is
+a 404 here too.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from ..errors import NotFound
+from ..observability.metrics import finish_request
+from ..pipeline.context import GatewayState
+from ..pipeline.inspect import parse_output, render_request
+from .routes import gateway, json_body, json_response, new_context, run_logged
+
+router = APIRouter()
+
+#: File name → media type: the only files the playground serves (no directory listing, no traversal).
+STATIC_FILES = {
+    "playground.css": "text/css; charset=utf-8",
+    "playground.js": "text/javascript; charset=utf-8",
+}
+#: The page may load only its own files and call only its own gateway.
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-cache",
+}
+
+
+def _static(name: str) -> bytes:
+    return resources.files(__package__).joinpath("static", name).read_bytes()
+
+
+@router.get("/")
+@router.get("/playground")
+async def playground() -> Response:
+    return Response(_static("playground.html"), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+
+@router.get("/playground/static/{name}")
+async def playground_file(name: str) -> Response:
+    media_type = STATIC_FILES.get(name)
+    if media_type is None:
+        raise NotFound(f"no playground file named {name!r}")
+    return Response(_static(name), media_type=media_type, headers=PAGE_HEADERS)
+
+
+@router.post("/v1/harmony/render")
+async def harmony_render(request: Request) -> Response:
+    state = gateway(request)
+    ctx = new_context(request, "harmony_render", state)
+    body = await json_body(request)
+    result = await run_logged(ctx, render_request(state, body.get("api"), body.get("request"), ctx))
+    finish_request(ctx)
+    return json_response(result, ctx)
+
+
+@router.post("/v1/harmony/parse")
+async def harmony_parse(request: Request) -> Response:
+    state = gateway(request)
+    ctx = new_context(request, "harmony_parse", state)
+    body = await json_body(request)
+    result = await run_logged(ctx, _parse(state, body))
+    finish_request(ctx)
+    return json_response(result, ctx)
+
+
+async def _parse(state: GatewayState, body: dict[str, Any]) -> dict[str, Any]:
+    return parse_output(state, body)

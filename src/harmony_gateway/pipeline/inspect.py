@@ -1,0 +1,448 @@
+"""The prompt inspector: what a request would send to the engine, without sending it, and what raw model
+output parses into.
+
+`render_request` runs the same prepare functions the generating routes run (`prepare_chat`,
+`prepare_responses` + `render_turn`, `prepare_messages`) and asks the model group's routing policy which
+worker it would pick (`peek`, which moves no counter or cache), so the inspector cannot disagree with the
+real path. This module is the only place that knows where those functions live.
+
+`parse_output` feeds model output to the gateway's own parsers: token ids to `HarmonyOutputParser`, text
+with Harmony markers spelled out to the same parser after encoding them, text without markers (an HTTP
+upstream that stripped them) to `HarmonyTextParser`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from ..api.schemas.anthropic import MessagesRequest
+from ..api.schemas.chat import ChatCompletionRequest
+from ..api.schemas.responses import ResponsesRequest
+from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
+from ..harmony import token_parser as tp
+from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, is_special
+from ..harmony.text_events import (
+    ContentDelta,
+    ReasoningDelta,
+    Terminated,
+    ToolCallArgumentsDelta,
+    ToolCallStart,
+)
+from ..harmony.text_parser import HarmonyTextParser
+from ..routing.fleet import ModelGroup
+from .anthropic import prepare_messages, resolve_group
+from .context import GatewayState, PreparedRequest, RequestContext
+from .prepare import prepare_chat
+from .responses import prepare_responses, render_turn
+from .select_worker import routing_request
+
+APIS = ("chat", "responses", "messages")
+#: Output longer than this is refused by the parse endpoint (a debugging aid, not a bulk service).
+MAX_PARSE_TOKENS = 262_144
+_SPECIAL = re.compile(r"<\|[a-z_]+\|>")
+
+
+# -- render --------------------------------------------------------------------------------------------
+async def render_request(state: GatewayState, api: Any, request: Any, ctx: RequestContext) -> dict[str, Any]:
+    """The prompt, sampling and routing the engine would get for `request` on surface `api`."""
+    if api not in APIS:
+        raise InvalidRequest(f"api must be one of {', '.join(APIS)}", param="api")
+    if not isinstance(request, dict):
+        raise InvalidRequest("request must be the JSON body of that API's request", param="request")
+    notes: list[str] = []
+    if api == "chat":
+        chat = ChatCompletionRequest.model_validate(request)
+        group = state.fleet.group(chat.model)
+        if ctx.routing_key is None:
+            ctx.routing_key = chat.user  # as run_chat: consistent_hash keeps one user on one KV cache
+        prepared = await prepare_chat(state, chat, group)
+    elif api == "messages":
+        message_request = MessagesRequest.model_validate(request)
+        group = resolve_group(state, message_request.model)
+        prepared = (await prepare_messages(state, message_request, group)).prepared
+    else:
+        prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
+    ctx.model = prepared.group.name
+    return describe(state, prepared, ctx, api, notes)
+
+
+async def _prepare_responses(
+    state: GatewayState, request: ResponsesRequest, ctx: RequestContext, notes: list[str]
+) -> PreparedRequest:
+    """prepare_responses loads the chain or conversation as the key's owner (another key's response is
+    a 404) and lists MCP tools; the connections it opens are closed before returning."""
+    plan = await prepare_responses(state, request, ctx)
+    try:
+        if plan.chain_root == plan.response_id:
+            notes.append(
+                "a new stored response is routed by its own id, chosen when it is created: a policy that "
+                "uses the routing key (consistent_hash) may pick another worker than shown"
+            )
+        if plan.approvals:
+            # The real path runs approved MCP calls before rendering; the inspector runs no tools.
+            notes.append("approved MCP calls are not run by the inspector: their results render empty")
+            await render_turn(state, plan)
+        return plan.prepared
+    finally:
+        await plan.close_tools()
+
+
+def describe(
+    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, api: str, notes: list[str]
+) -> dict[str, Any]:
+    ids = list(prepared.input_ids)
+    sampling = dataclasses.asdict(prepared.sampling)
+    body: dict[str, Any] = {
+        "object": "harmony.render",
+        "api": api,
+        "model": prepared.group.name,
+        "harmony": prepared.harmony,
+        "token_count": len(ids),
+        "token_ids": ids,
+        "stop_token_ids": list(prepared.sampling.stop_token_ids),
+        "sampling": {
+            **sampling,
+            "stream": prepared.stream,
+            "return_logprob": prepared.return_logprob,
+            "top_logprobs": prepared.top_logprobs,
+            "stop_strings": list(prepared.stop_strings),
+            "max_reasoning_tokens": prepared.max_reasoning_tokens,
+            "reasoning_effort": prepared.effort,
+        },
+        "constraint": _constraint(prepared),
+        "routing": routing_of(prepared, ctx),
+        "notes": notes,
+    }
+    if prepared.harmony:
+        body["prompt_text"] = state.encoding.decode(ids)
+        body["tokens"] = token_pieces(state, ids)
+        body["messages"] = split_messages(state, ids)
+    else:
+        # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by
+        # the prepare stage); there are no Harmony messages to list.
+        tokenizer = state.tokenizers.get(prepared.group.name)
+        token_text = getattr(tokenizer, "token_text", None)
+        body["prompt_text"] = prepared.original_text
+        body["tokens"] = [[i, token_text(i) if token_text is not None else None] for i in ids]
+        body["messages"] = []
+    if prepared.upstream_body is not None:
+        notes.append(
+            "this model is served by an HTTP upstream: it is sent the request as text, not these ids"
+        )
+    return body
+
+
+def _constraint(prepared: PreparedRequest) -> dict[str, Any] | None:
+    s = prepared.sampling
+    for kind in ("structural_tag", "json_schema", "regex"):
+        value = getattr(s, kind)
+        if value:
+            return {"type": kind, "value": value}
+    return None
+
+
+def routing_of(prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]:
+    """The group, the worker each pool's policy would pick now and, for cache_aware, the prefix it
+    records for the workers; `worker` is None when none is available (the real request would be a 503)."""
+    group = prepared.group
+    request = routing_request(prepared, ctx)
+    pools: list[tuple[str, Any, list[Any]]] = (
+        [("prefill", group.prefill_policy, group.prefill), ("decode", group.decode_policy, group.decode)]
+        if group.disaggregated
+        else [("regular", group.policy, group.regular)]
+    )
+    out: dict[str, Any] = {
+        "model_group": group.name,
+        "routing_key": ctx.routing_key,
+        "disaggregated": group.disaggregated,
+    }
+    for role, policy, pool in pools:
+        out[role] = _peek(policy, pool, request)
+    main = out["decode" if group.disaggregated else "regular"]
+    out["policy"] = main["policy"]
+    out["worker"] = main["worker"]
+    out["cache_match_tokens"] = main["cache_match_tokens"]
+    return out
+
+
+def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
+    worker = None
+    peek = getattr(policy, "peek", None)
+    if peek is not None:
+        try:
+            chosen = peek(pool, request)
+            worker = {"id": chosen.id, "url": chosen.url}
+        except NoHealthyWorker:
+            worker = None
+    match = getattr(policy, "match_length", None)
+    return {
+        "policy": getattr(policy, "name", type(policy).__name__),
+        "worker": worker,
+        "cache_match_tokens": match(pool, request) if match is not None else None,
+        "workers": [
+            {"id": w.id, "url": w.url, "available": w.available(), "in_flight": w.in_flight} for w in pool
+        ],
+    }
+
+
+def token_pieces(state: GatewayState, ids: list[int]) -> list[list[Any]]:
+    """[id, text] per token: special tokens by name, ordinary ones as their bytes (a partial UTF-8
+    sequence shows as U+FFFD; the full text is in `prompt_text`)."""
+    import quicktok
+
+    token_bytes = quicktok.get_encoding("o200k_base").decode_single_token_bytes
+    decode = state.encoding.decode
+    return [[i, decode([i]) if is_special(i) else token_bytes(i).decode("utf-8", "replace")] for i in ids]
+
+
+_HEADER = re.compile(r"<\|start\|>(?P<role>[^\s<]+)(?P<rest>.*)", re.DOTALL)
+
+
+def split_messages(state: GatewayState, ids: list[int]) -> list[dict[str, Any]]:
+    """The prompt cut at every `<|start|>` (message text is encoded as ordinary text, so the token
+    appears only at message boundaries): one entry per message, the last being the generation header."""
+    starts = [i for i, t in enumerate(ids) if t == START] + [len(ids)]
+    messages = []
+    for begin, end in zip(starts, starts[1:], strict=False):
+        segment = ids[begin:end]
+        text = state.encoding.decode(segment)
+        messages.append({**_header_fields(text), "start": begin, "token_count": len(segment)})
+    return messages
+
+
+def _header_fields(text: str) -> dict[str, Any]:
+    head, sep, content = text.partition("<|message|>")
+    match = _HEADER.match(head)
+    role = match.group("role") if match else ""
+    rest = match.group("rest") if match else head
+    recipient = None
+    found = re.search(r"\bto=(\S+?)(?=<\||\s|$)", rest)
+    if found:
+        recipient = found.group(1)
+    channel = None
+    if "<|channel|>" in rest:
+        channel = re.split(r"\s|<\|", rest.split("<|channel|>", 1)[1], maxsplit=1)[0] or None
+    content_type = None
+    if "<|constrain|>" in rest:
+        content_type = rest.split("<|constrain|>", 1)[1].strip() or None
+    terminator = None
+    for end in ("<|end|>", "<|call|>", "<|return|>"):
+        if content.endswith(end):
+            content, terminator = content[: -len(end)], end
+            break
+    return {
+        "role": role,
+        "channel": channel,
+        "recipient": recipient,
+        "content_type": content_type,
+        "text": content if sep else "",
+        "terminator": terminator,
+        "generation_header": not sep,
+    }
+
+
+# -- parse ---------------------------------------------------------------------------------------------
+def parse_output(
+    state: GatewayState, body: dict[str, Any], function_names: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Messages and the repairs the parser made for raw model output (`token_ids` or `text`)."""
+    token_ids = body.get("token_ids")
+    text = body.get("text")
+    if (token_ids is None) == (text is None):
+        raise InvalidRequest("send exactly one of token_ids or text", param="token_ids")
+    if token_ids is not None:
+        if not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise InvalidRequest("token_ids must be a list of integers", param="token_ids")
+        for j, t in enumerate(token_ids):
+            if not 0 <= t < VOCAB_SIZE:
+                raise InvalidRequest(f"token id {t} is outside the vocabulary", param=f"token_ids[{j}]")
+        ids = token_ids
+        source = "token_ids"
+    else:
+        if not isinstance(text, str):
+            raise InvalidRequest("text must be a string", param="text")
+        if not _SPECIAL.search(text):
+            return _parse_stripped(text)
+        ids = state.encoding.encode(text, allowed_special="all")
+        source = "text"
+    if len(ids) > MAX_PARSE_TOKENS:
+        raise InvalidRequest(f"at most {MAX_PARSE_TOKENS} tokens can be parsed", param=source)
+    return _parse_tokens(state, ids, source, function_names)
+
+
+_KINDS = {
+    tp.REASONING: "reasoning",
+    tp.ANSWER: "answer",
+    tp.PREAMBLE: "preamble",
+    tp.FUNCTION_CALL: "function_call",
+    tp.TOOL_CALL: "tool_call",
+    tp.DROPPED: "dropped",
+}
+_TERMINATOR_NAMES = {END: "<|end|>", CALL: "<|call|>", RETURN: "<|return|>"}
+
+
+def _parse_tokens(
+    state: GatewayState, ids: list[int], source: str, function_names: frozenset[str]
+) -> dict[str, Any]:
+    # The output starts after the prompt's `<|start|>assistant`; a leading `<|start|>assistant` is the
+    # model starting its next message, which the parser accepts as well.
+    parser = tp.HarmonyOutputParser(state.encoding, function_names)
+    recoveries: list[dict[str, Any]] = []
+    try:
+        parser.feed(ids)
+        parser.finish()
+    except UpstreamBadOutput as exc:
+        recoveries.append({"kind": "not_harmony", "detail": exc.message, "fatal": True})
+    messages = []
+    for index, msg in enumerate(parser.messages):
+        messages.append(
+            {
+                "role": "assistant" if msg.kind != tp.DROPPED else None,
+                "kind": _KINDS.get(msg.kind, str(msg.kind)),
+                "channel": msg.channel,
+                "recipient": msg.recipient,
+                "content_type": msg.content_type,
+                "text": msg.text,
+                "tokens": msg.tokens,
+                "terminator": _TERMINATOR_NAMES.get(msg.terminator) if msg.terminator is not None else None,
+            }
+        )
+        if not msg.terminated:
+            recoveries.append(
+                {"kind": "unterminated_message", "message": index, "detail": "closed at the end of output"}
+            )
+        if msg.kind == tp.DROPPED:
+            recoveries.append(
+                {"kind": "dropped_message", "message": index, "detail": "written in another role's name"}
+            )
+        if msg.name == tp.INVALID_TOOL_NAME:
+            recoveries.append({"kind": "invalid_tool_name", "message": index, "detail": msg.recipient})
+    if parser.ignored_tokens:
+        recoveries.append(
+            {
+                "kind": "trailing_tokens_ignored",
+                "count": parser.ignored_tokens,
+                "detail": "tokens after the output stopped being parseable",
+            }
+        )
+    if parser.parse_error and not any(r["kind"] == "not_harmony" for r in recoveries):
+        recoveries.append({"kind": "parse_error", "detail": parser.parse_error, "fatal": False})
+    return {
+        "object": "harmony.parse",
+        "source": source,
+        "parser": "token",
+        "token_count": len(ids),
+        "messages": messages,
+        "recoveries": recoveries,
+        "reasoning_tokens": parser.reasoning_tokens,
+    }
+
+
+def _parse_stripped(text: str) -> dict[str, Any]:
+    """Text without special-token spellings: what an HTTP upstream sends when it strips them; parsed by
+    the text-level parser those upstreams use."""
+    parser = HarmonyTextParser()
+    events = [*parser.feed(text), *parser.finish()]
+    messages: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    calls: dict[int, dict[str, Any]] = {}
+    terminated = None
+
+    def open_message(kind: str, channel: str | None) -> dict[str, Any]:
+        nonlocal current
+        if current is None or current["kind"] != kind:
+            current = {
+                "role": "assistant",
+                "kind": kind,
+                "channel": channel,
+                "recipient": None,
+                "content_type": None,
+                "text": "",
+            }
+            messages.append(current)
+        return current
+
+    for event in events:
+        if isinstance(event, ReasoningDelta):
+            open_message("reasoning", "analysis")["text"] += event.text
+        elif isinstance(event, ContentDelta):
+            open_message("answer", "final")["text"] += event.text
+        elif isinstance(event, ToolCallStart):
+            current = {
+                "role": "assistant",
+                "kind": "function_call",
+                "channel": "commentary",
+                "recipient": f"functions.{event.name}",
+                "content_type": "json",
+                "text": "",
+            }
+            calls[event.index] = current
+            messages.append(current)
+        elif isinstance(event, ToolCallArgumentsDelta):
+            calls[event.index]["text"] += event.text
+        elif isinstance(event, Terminated):
+            terminated = event.reason
+    stats = parser.stats
+    recoveries = [
+        {"kind": name, "count": getattr(stats, name)}
+        for name in (
+            "parse_errors",
+            "marker_fallbacks",
+            "passthrough_fallbacks",
+            "unknown_channels",
+            "unexpected_order",
+            "trailing_ignored_chars",
+        )
+        if getattr(stats, name)
+    ]
+    return {
+        "object": "harmony.parse",
+        "source": "text",
+        "parser": f"text ({parser.mode})",
+        "messages": messages,
+        "recoveries": recoveries,
+        "terminated": terminated,
+    }
+
+
+# -- offline (the `render` command) --------------------------------------------------------------------
+async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
+    """`render_request` without a running gateway or engine: the request's model is taken as a Harmony
+    model with no workers (routing names none) and an unknown context length; stored responses and
+    conversations are not available. MCP servers named in `tools` are contacted to list their tools."""
+    from ..app import build_state
+    from ..engines.base import ModelInfo
+    from ..mcp.pool import open_mcp_pool
+    from ..routing.registry import create_policy
+    from ..storage import open_store
+
+    if not isinstance(payload, dict):
+        raise InvalidRequest('the file must hold a JSON object: {"api": ..., "request": {...}}')
+    request = payload.get("request")
+    model = request.get("model") if isinstance(request, dict) else None
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("the request must name its model", param="request.model")
+    state = build_state(settings)
+    policy = settings.model_policies.get(model, settings.policy)
+    state.fleet.groups[model] = ModelGroup(
+        name=model,
+        harmony=True,
+        info=ModelInfo(served_model_name=model),
+        policy=create_policy(policy, **settings.policy_options(policy)),
+        prefill_policy=None,
+        decode_policy=None,
+    )
+    state.store = open_store("memory://")
+    await state.store.start()
+    try:
+        async with open_mcp_pool(settings) as state.mcp:
+            ctx = RequestContext(request_id="render", route="harmony_render")
+            result = await render_request(state, payload.get("api"), request, ctx)
+    finally:
+        await state.store.close()
+    result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")
+    return result
