@@ -169,12 +169,9 @@ class Admission:
     async def acquire(self, priority: int = 0) -> Slot:
         """A slot, at once or after waiting; raises `Overloaded` when the queue is full or the wait
         times out. A cancelled waiter (the client left) gives its place up."""
-        if not self._waiters:
-            index = self._take()
-            if index is not None:
-                self.in_flight += 1
-                self._report()
-                return Slot(self, index, 0.0)
+        slot = self.try_acquire()
+        if slot is not None:
+            return slot
         if len(self._waiters) >= self.queue_size:
             self._refused("queue_full")
             raise Overloaded(

@@ -426,7 +426,8 @@ class TrafficMiddleware:
                 await _send_error(watch, path, refusal, request_id, [])
                 return
         slot: Slot | None = None
-        if generating and control.admission is not None:
+        # An unknown key takes no place: the route answers 401 at once.
+        if generating and control.admission is not None and identity is not None:
             try:
                 with tracing.span("gateway.admission"):
                     slot, receive = await _acquire_watching(

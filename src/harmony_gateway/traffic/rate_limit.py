@@ -125,17 +125,22 @@ class RedisBuckets:
         )
         self._script = self._client.register_script(_LUA)
         self._down_until = 0.0
+        #: False while Redis is unreachable (budgets are then per process).
         self.up = True
-        self._set_up(True)
 
-    def _set_up(self, up: bool) -> None:
+    def _set_up(self, up: bool, reason: object = None) -> None:
+        if up != self.up:
+            if up:
+                log.warning("rate-limit store %s is reachable again; budgets are shared", self._where)
+            else:
+                log.warning(
+                    "rate-limit store %s is unreachable (%s); enforcing per-process budgets until it returns",
+                    self._where,
+                    reason,
+                )
+        self.up = up
         if self.metrics is not None:
             self.metrics.rate_limit_store_up.set(1 if up else 0)
-        if up != self.up:
-            self.up = up
-            if up:
-                log.warning("rate-limit store %s is reachable again; using shared budgets", self._where)
-        self.up = up
 
     @property
     def _where(self) -> str:
@@ -149,14 +154,7 @@ class RedisBuckets:
                 )
             except Exception as exc:  # any Redis trouble: keep serving on local budgets
                 self._down_until = time.monotonic() + REDIS_RETRY_SECONDS
-                if self.up:
-                    log.warning(
-                        "rate-limit store %s is unreachable (%s); enforcing per-process budgets until it "
-                        "returns",
-                        self._where,
-                        exc,
-                    )
-                self._set_up(False)
+                self._set_up(False, exc)
             else:
                 if not self.up:
                     self._set_up(True)
