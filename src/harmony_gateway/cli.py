@@ -421,7 +421,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds a request may wait for a slot before a 503 (default 30)",
+        help="seconds a request may wait for a slot before a 429 (default 30)",
     )
     p.add_argument(
         "--rate-limit",

@@ -6,8 +6,8 @@
     ├── NotFound                  404
     │   └── ModelNotFound         404  code model_not_found
     ├── Conflict                  409
-    ├── RateLimited               429  (a key's request or token budget; retry_after seconds)
-    ├── Overloaded                503  (admission queue full or timed out, or draining; retry_after)
+    ├── RateLimited               429  (a key's budget, or admission's queue full / timed out; retry_after)
+    ├── Overloaded                503  (the gateway is draining; retry_after)
     ├── NoHealthyWorker           503
     └── UpstreamError             502  (the engine misbehaved)
         ├── UpstreamTimeout       504
@@ -76,7 +76,8 @@ class Conflict(GatewayError):
 
 
 class RateLimited(GatewayError):
-    """Raised when a key or address is over its request or token budget; retry after `retry_after`."""
+    """Raised when a key or address is over its request or token budget, or admission refuses a request
+    (its queue is full, or the wait timed out); retry after `retry_after`."""
 
     status_code = 429
     error_type = "rate_limit_error"
@@ -88,8 +89,8 @@ class RateLimited(GatewayError):
 
 
 class Overloaded(GatewayError):
-    """Raised when the gateway itself cannot take a request now (its queue is full, the wait timed
-    out, or it is draining); recoverable after `retry_after`."""
+    """Raised when the gateway itself cannot take requests now (it is shutting down); another replica
+    can, or this one after `retry_after`."""
 
     status_code = 503
     error_type = "server_error"

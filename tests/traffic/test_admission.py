@@ -10,12 +10,12 @@ import orjson
 from tests.traffic._support import sim_and_gateway, stream_chat, until
 
 
-def _assert_overloaded(status: int, headers: httpx.Headers, body: bytes, code: str) -> None:
-    assert status == 503
+def _assert_refused(status: int, headers: httpx.Headers, body: bytes, code: str) -> None:
+    assert status == 429
     assert int(headers["retry-after"]) >= 1
     error = orjson.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code and error["type"] == "server_error"
+    assert error["code"] == code and error["type"] == "rate_limit_error"
 
 
 async def test_two_in_flight_two_queued_two_refused() -> None:
@@ -28,7 +28,7 @@ async def test_two_in_flight_two_queued_two_refused() -> None:
             await until(lambda: sim.active_requests == 2 and admission.queued == 2)
             refused = [t.result() for t in tasks if t.done()]
             for status, headers, body in refused:
-                _assert_overloaded(status, headers, body, "queue_full")
+                _assert_refused(status, headers, body, "queue_full")
             sim.release_held()
             results = await asyncio.gather(*tasks)
             metrics = (await http.get("/metrics")).text
@@ -48,7 +48,7 @@ async def test_queued_request_times_out() -> None:
             first = asyncio.create_task(stream_chat(http, "first"))
             await until(lambda: sim.active_requests == 1)
             status, headers, body = await stream_chat(http, "second")
-            _assert_overloaded(status, headers, body, "queue_timeout")
+            _assert_refused(status, headers, body, "queue_timeout")
             sim.release_held()
             assert (await first)[0] == 200
         assert len(sim.requests) == 1
@@ -65,7 +65,7 @@ async def test_client_leaving_the_queue_frees_its_place() -> None:
                 queued = asyncio.create_task(stream_chat(leaving, "leaves"))
                 await until(lambda: admission.queued == 1)
                 status, headers, body = await stream_chat(http, "queue is full")
-                _assert_overloaded(status, headers, body, "queue_full")
+                _assert_refused(status, headers, body, "queue_full")
                 queued.cancel()
             await until(lambda: admission.queued == 0)
             later = asyncio.create_task(stream_chat(http, "takes the place"))
@@ -119,7 +119,7 @@ async def test_background_response_holds_its_slot_until_it_ends() -> None:
             await until(lambda: sim.active_requests == 1)
             assert admission.in_flight == 1  # the HTTP request returned; the response still runs
             status, headers, body = await stream_chat(http, "waits for the background response")
-            _assert_overloaded(status, headers, body, "queue_timeout")
+            _assert_refused(status, headers, body, "queue_timeout")
             sim.release_held()
             await until(lambda: admission.in_flight == 0)
             assert (await stream_chat(http, "now there is room"))[0] == 200
@@ -144,7 +144,7 @@ async def test_the_cap_holds_across_gateway_processes(tmp_path) -> None:  # type
                 await until(lambda: sum(t.done() for t in tasks) == 4)
                 await until(lambda: sim.active_requests == 2)
                 for task in [t for t in tasks if t.done()]:
-                    _assert_overloaded(*task.result(), "queue_full")
+                    _assert_refused(*task.result(), "queue_full")
                 sim.release_held()
                 results = await asyncio.gather(*tasks)
             assert sum(r[0] == 200 for r in results) == 2

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from harmony_gateway.errors import Overloaded
+from harmony_gateway.errors import RateLimited
 from harmony_gateway.traffic.admission import Admission, SharedSlots
 from harmony_gateway.traffic.keys import KeyPolicy, parse_key_line
 from harmony_gateway.traffic.rate_limit import LocalBuckets, format_reset
@@ -74,7 +74,7 @@ async def test_waiting_long_outranks_priority() -> None:
 async def test_full_queue_is_refused() -> None:
     admission = Admission(1, 0, 30.0)
     assert admission.try_acquire() is not None
-    with pytest.raises(Overloaded) as refused:
+    with pytest.raises(RateLimited) as refused:
         await admission.acquire()
     assert refused.value.code == "queue_full" and refused.value.retry_after >= 1
 

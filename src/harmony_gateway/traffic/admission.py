@@ -3,7 +3,7 @@
 Waiters are admitted by priority (higher first), FIFO within a priority. A waiter gains one priority
 level per `aging` seconds it has waited, so a busy high-priority class delays a low one but never
 starves it; `queue_timeout` bounds every wait anyway. A full queue and a wait past the timeout raise
-`Overloaded` (HTTP 503 with `retry-after`).
+`RateLimited` with code `queue_full` / `queue_timeout` (HTTP 429 with `retry-after`).
 
 Slots are counted in this process, or, with `serve --workers N`, in a `SharedSlots` file that every
 process of the gateway locks byte ranges of: the cap then holds for the gateway as a whole. Byte-range
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import Overloaded
+from ..errors import RateLimited
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +167,14 @@ class Admission:
         return Slot(self, index, 0.0)
 
     async def acquire(self, priority: int = 0) -> Slot:
-        """A slot, at once or after waiting; raises `Overloaded` when the queue is full or the wait
+        """A slot, at once or after waiting; raises `RateLimited` when the queue is full or the wait
         times out. A cancelled waiter (the client left) gives its place up."""
         slot = self.try_acquire()
         if slot is not None:
             return slot
         if len(self._waiters) >= self.queue_size:
             self._refused("queue_full")
-            raise Overloaded(
+            raise RateLimited(
                 "the gateway is at its concurrency limit and its queue is full; retry shortly",
                 retry_after=1.0,
                 code="queue_full",
@@ -198,7 +198,7 @@ class Admission:
             self._report()
             if isinstance(exc, TimeoutError):
                 self._refused("queue_timeout")
-                raise Overloaded(
+                raise RateLimited(
                     f"the request waited {self.queue_timeout:g}s for the gateway's concurrency limit; "
                     "retry shortly",
                     retry_after=1.0,

@@ -6,7 +6,8 @@ Per request, in order:
 3. the key's (or address's) request and token budgets: generating routes take a request and need a
    positive token balance, other routes only read them; every response carries `x-ratelimit-*`, a
    refusal is a 429 `rate_limit_exceeded` with `retry-after`;
-4. admission for generating routes: a slot at once, a place in the queue, or a 503; a client that
+4. admission for generating routes: a slot at once, a place in the queue, or a 429 (`queue_full`,
+   later `queue_timeout`) with `retry-after`; a client that
    leaves while queued gives its place up at once (its disconnect is watched while it waits);
 5. the app; the prompt's tokens (from the request's `RequestContext`) are charged as the response
    starts; the slot is released when its last byte is sent or the client leaves, and the completion
@@ -433,7 +434,7 @@ class TrafficMiddleware:
                     slot, receive = await _acquire_watching(
                         control.admission, control.priority(policy), receive
                     )
-            except Overloaded as refusal:
+            except RateLimited as refusal:
                 await _send_error(watch, path, refusal, request_id, [])
                 return
             if slot is None:
@@ -514,7 +515,8 @@ class _ResponseWatch:
 async def _acquire_watching(
     admission: Admission, priority: int, receive: Receive
 ) -> tuple[Slot | None, Receive]:
-    """A slot, waiting while watching the connection: (None, _) when the client left first. Messages
+    """A slot, waiting while watching the connection: (None, _) when the client left first; raises
+    `RateLimited` when refused. Messages
     read meanwhile (the request body) are replayed to the app by the returned `receive`."""
     slot = admission.try_acquire()
     if slot is not None:
@@ -539,7 +541,7 @@ async def _acquire_watching(
         await asyncio.gather(acquire, watcher, return_exceptions=True)
     if acquire.cancelled():
         return None, receive  # the client left: its place is given up
-    slot = acquire.result()  # raises Overloaded
+    slot = acquire.result()  # raises RateLimited
     if buffered and buffered[-1]["type"] == "http.disconnect":
         slot.release()
         return None, receive
