@@ -8,6 +8,7 @@ import signal
 import httpx
 
 from harmony_gateway.sim import SimConfig, start_sim_engine
+from tests.conftest import MODEL
 from tests.support.processes import start_gateway_process
 from tests.traffic._support import chat_body, until
 
@@ -111,5 +112,33 @@ async def test_every_gateway_process_drains(tmp_path) -> None:  # type: ignore[n
             for body in bodies:
                 assert body.rstrip().endswith(b"data: [DONE]")
             assert await _wait_exit(gateway.proc) == 0
+        finally:
+            gateway.kill()
+
+
+async def test_drain_timeout_ends_a_responses_stream_with_an_error_event() -> None:
+    import json
+
+    async with await start_sim_engine(SimConfig(port=0, tokens_per_second=20)) as sim:
+        gateway = await start_gateway_process(
+            "--worker-url", sim.url, "--storage", "memory://", "--drain-timeout", "0.5"
+        )
+        try:
+            events = []
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=60) as http:
+                body = {"model": MODEL, "input": "think hard [[long]]", "stream": True}
+                async with http.stream("POST", "/v1/responses", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            if not events:
+                                gateway.proc.send_signal(signal.SIGTERM)  # the stream has started
+                            events.append(json.loads(line[6:]))
+            last = events[-1]
+            assert last["type"] == "error" and last["code"] == "shutting_down" and last["message"]
+            seqs = [e["sequence_number"] for e in events]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+            assert await _wait_exit(gateway.proc) == 0
+            await until(lambda: len(sim.aborted) == 1)
         finally:
             gateway.kill()

@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import hashlib
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -326,7 +327,7 @@ def _error_body(path: str, exc: GatewayError) -> tuple[int, bytes]:
     return exc.status_code, orjson.dumps({"error": exc.to_dict()})
 
 
-def _terminal_frame(path: str, exc: GatewayError) -> bytes:
+def _terminal_frame(path: str, exc: GatewayError, sequence_number: int) -> bytes:
     """A stream's last event when the drain timeout cuts it, in its route's own error shape."""
     from ..api.sse import chat_error_frame, event_frame
 
@@ -335,7 +336,17 @@ def _terminal_frame(path: str, exc: GatewayError) -> bytes:
 
         return error_event(exc)
     if path == "/v1/responses":
-        return event_frame("error", {"type": "error", **exc.to_dict()})
+        error = exc.to_dict()
+        return event_frame(
+            "error",
+            {
+                "type": "error",
+                "code": error["code"],
+                "message": error["message"],
+                "param": error["param"],
+                "sequence_number": sequence_number,
+            },
+        )
     return chat_error_frame(exc)
 
 
@@ -464,6 +475,7 @@ class _ResponseWatch:
         "started",
         "streaming",
         "ticket",
+        "sequence_number",
     )
 
     def __init__(self, send: Send, status: list[int], path: str) -> None:
@@ -474,6 +486,8 @@ class _ResponseWatch:
         self._path = path
         self._span: Any = None
         self.ticket: Ticket | None = None
+        #: Responses streams: the sequence number a cut stream's error event takes.
+        self.sequence_number = 0
         self.started = False
         self.finished = False
         self.streaming = False
@@ -492,10 +506,20 @@ class _ResponseWatch:
                 if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
                     self.streaming = True
                     self._span = tracing.start_span("gateway.stream")
-        elif kind == "http.response.body" and not message.get("more_body", False):
-            self.finished = True
-            self._end_span()
+        elif kind == "http.response.body":
+            if self.streaming and self._path == "/v1/responses":
+                self._follow_sequence(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.finished = True
+                self._end_span()
         await self._send(message)
+
+    def _follow_sequence(self, body: bytes) -> None:
+        at = body.rfind(b'"sequence_number":')
+        if at >= 0:
+            digits = re.match(rb"\s*(\d+)", body[at + 18 : at + 40])
+            if digits:
+                self.sequence_number = int(digits.group(1)) + 1
 
     def _end_span(self) -> None:
         if self._span is not None:
@@ -508,7 +532,7 @@ class _ResponseWatch:
             if not self.started:
                 await _send_error(self, self._path, exc, "", [])
             elif self.streaming and not self.finished:
-                frame = _terminal_frame(self._path, exc)
+                frame = _terminal_frame(self._path, exc, self.sequence_number)
                 await self._send({"type": "http.response.body", "body": frame, "more_body": False})
 
 
