@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -25,6 +26,7 @@ from .api.workers import router as workers_router
 from .engines.registry import create_client
 from .harmony.encoding import PromptRenderer, get_encoding
 from .mcp.pool import open_mcp_pool
+from .observability import tracing
 from .observability.metrics import GatewayMetrics
 from .pipeline.background import BackgroundRunner, default_runner_id, fail_interrupted
 from .pipeline.context import GatewayState
@@ -34,8 +36,13 @@ from .routing.registry import create_policy
 from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
+from .traffic import drain
+from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
 
 log = logging.getLogger(__name__)
+
+#: `serve --workers N` sets it: the file whose byte-range locks are the gateway-wide admission slots.
+SHARED_SLOTS_ENV = "HARMONY_GATEWAY_ADMISSION_SLOTS"
 
 
 def build_state(settings: Settings) -> GatewayState:
@@ -127,7 +134,13 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
         gw.store = open_store(
             storage_url, schema=settings.storage_schema, retention_seconds=settings.storage_retention
         )
+        if settings.otlp_endpoint:
+            tracing.configure(settings.otlp_endpoint)
+            gw.store = tracing.TracedStore(gw.store)
+        if gw.metrics is not None:
+            control.attach_metrics(TrafficMetrics(gw.metrics.registry))
         gw.background = BackgroundRunner(default_runner_id(settings.port))
+        control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
             await gw.store.start()
@@ -163,11 +176,20 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
             await gw.background.shutdown()
             await gw.fleet.close()
             await gw.store.close()
+            await control.close()
+            if settings.otlp_endpoint:
+                # In a thread: flushing blocks until the collector answers (or its timeout).
+                await anyio.to_thread.run_sync(tracing.shutdown)
 
     # No trailing-slash redirects: `DELETE /v1/responses/` is a 404 error body, not a 307 to another route.
     app = FastAPI(
         title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
     )
+    control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV))
+    drain.current_control = control
+    app.state.traffic = control
+    # Inside the request-id middleware: refusals carry the id too.
+    app.add_middleware(TrafficMiddleware, control=control)
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
     app.include_router(router)

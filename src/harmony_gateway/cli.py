@@ -69,13 +69,21 @@ def _stream_interval(value: str) -> int | None:
     return int(value)
 
 
+def _key_file(args: argparse.Namespace) -> dict[str, Any]:
+    """The key file's entries: key → `KeyPolicy` (its own limits and priority, if any)."""
+    if not args.api_key_file:
+        return {}
+    from .traffic.keys import read_key_file
+
+    try:
+        return read_key_file(args.api_key_file)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise SystemExit(f"harmony-gateway: {exc}") from None
+
+
 def _api_keys(args: argparse.Namespace) -> frozenset[str]:
     keys = set(args.api_key or ())
-    if args.api_key_file:
-        for line in Path(args.api_key_file).read_text().splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                keys.add(line)
+    keys.update(_key_file(args))
     env = os.environ.get("HARMONY_GATEWAY_API_KEYS")
     if env:
         keys.update(k.strip() for k in env.split(",") if k.strip())
@@ -134,6 +142,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         text_parsers=_pairs(args.text_parser, "--text-parser"),
         text_parser_window_chars=args.text_parser_window_chars,
         text_parser_window_seconds=args.text_parser_window_seconds,
+        max_concurrent_requests=args.max_concurrent_requests,
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        rate_limit=args.rate_limit,
+        token_rate_limit=args.token_rate_limit,
+        rate_limit_store=args.rate_limit_store,
+        key_policies=_key_file(args),
+        drain_timeout=args.drain_timeout,
+        otlp_endpoint=args.otlp_endpoint,
     )
 
 
@@ -164,6 +181,17 @@ def invalid_setting(settings: Settings) -> str | None:
         return "--text-parser-window-chars must be 0 or more"
     if settings.text_parser_window_seconds is not None and settings.text_parser_window_seconds <= 0:
         return "--text-parser-window-seconds must be above 0"
+    for flag, value in (
+        ("--max-concurrent-requests", settings.max_concurrent_requests),
+        ("--rate-limit", settings.rate_limit),
+        ("--token-rate-limit", settings.token_rate_limit),
+    ):
+        if value is not None and value < 1:
+            return f"{flag} must be 1 or more"
+    if settings.queue_size < 0 or settings.queue_timeout <= 0 or settings.drain_timeout < 0:
+        return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
+    if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):
+        return "--rate-limit-store expects redis://host:port/db"
     return None
 
 
@@ -309,7 +337,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY",
         help="require this bearer key on /v1 routes (repeatable; also HARMONY_GATEWAY_API_KEYS)",
     )
-    p.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P",
+    )
     p.add_argument(
         "--mcp-config", default=None, metavar="FILE", help="YAML file of gateway-configured MCP servers"
     )
@@ -385,6 +417,60 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="NAME=MODEL",
         help="serve MODEL under NAME too on /v1/messages (e.g. a Claude model name Claude Code asks for)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="generation requests at the engines at once, for the whole gateway (default: no cap)",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=64,
+        metavar="M",
+        help="requests that may wait for a slot (default 64)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a request may wait for a slot before a 429 (default 30)",
+    )
+    p.add_argument(
+        "--rate-limit",
+        type=int,
+        default=None,
+        metavar="R",
+        help="requests per minute per API key (per client address when no keys are configured)",
+    )
+    p.add_argument(
+        "--token-rate-limit",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prompt + completion tokens per minute per API key (or client address)",
+    )
+    p.add_argument(
+        "--rate-limit-store",
+        default=None,
+        metavar="URL",
+        help="redis://host:port/db: keep rate-limit budgets in Redis, shared by every replica",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight requests may take to finish (default 30)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
@@ -509,6 +595,7 @@ async def _serve(settings: Settings, demo: bool) -> None:
     import uvicorn
 
     from .app import create_app
+    from .traffic.drain import DrainingServer
 
     sim = None
     if demo:
@@ -526,7 +613,7 @@ async def _serve(settings: Settings, demo: bool) -> None:
         lifespan="on",
         log_config=None,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config)
     if sim is not None:  # demo mode
         print(
             DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
@@ -738,6 +825,18 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         import tempfile
 
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="harmony-gateway-metrics-")
+    if settings.max_concurrent_requests:
+        # One admission cap for all processes: slots are byte-range locks on this file (traffic.admission).
+        import tempfile
+
+        from .app import SHARED_SLOTS_ENV
+
+        os.environ[SHARED_SLOTS_ENV] = os.path.join(
+            tempfile.mkdtemp(prefix="harmony-gateway-admission-"), "slots"
+        )
+    from .traffic.drain import use_draining_processes
+
+    use_draining_processes()
     uvicorn.run(
         "harmony_gateway.cli:app_from_env",
         factory=True,

@@ -6,7 +6,8 @@
     ├── NotFound                  404
     │   └── ModelNotFound         404  code model_not_found
     ├── Conflict                  409
-    ├── RateLimited               429
+    ├── RateLimited               429  (a key's budget, or admission's queue full / timed out; retry_after)
+    ├── Overloaded                503  (the gateway is draining; retry_after)
     ├── NoHealthyWorker           503
     └── UpstreamError             502  (the engine misbehaved)
         ├── UpstreamTimeout       504
@@ -75,10 +76,29 @@ class Conflict(GatewayError):
 
 
 class RateLimited(GatewayError):
-    """Raised when admission control refuses a request; retry later."""
+    """Raised when a key or address is over its request or token budget, or admission refuses a request
+    (its queue is full, or the wait timed out); retry after `retry_after`."""
 
     status_code = 429
     error_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class Overloaded(GatewayError):
+    """Raised when the gateway itself cannot take requests now (it is shutting down); another replica
+    can, or this one after `retry_after`."""
+
+    status_code = 503
+    error_type = "server_error"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
 
 
 class NoHealthyWorker(GatewayError):

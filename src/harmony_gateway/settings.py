@@ -99,6 +99,22 @@ class Settings:
     #: then pass-through.
     text_parser_window_chars: int = 256
     text_parser_window_seconds: float | None = None
+    #: Admission (`traffic.admission`): generation requests at the engines at once (None: no cap), how
+    #: many more may wait, and for how long.
+    max_concurrent_requests: int | None = None
+    queue_size: int = 64
+    queue_timeout: float = 30.0
+    #: Per-key (or per-address) budgets per minute (`traffic.rate_limit`); None: unlimited.
+    rate_limit: int | None = None
+    token_rate_limit: int | None = None
+    #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
+    rate_limit_store: str | None = None
+    #: Key file entries with their own limits and priority (`traffic.keys.KeyPolicy`), by key.
+    key_policies: dict[str, Any] = field(default_factory=dict)
+    #: SIGTERM: seconds in-flight requests may take to finish before they are cut.
+    drain_timeout: float = 30.0
+    #: OTLP/HTTP collector base URL (http://host:4318); None: tracing off.
+    otlp_endpoint: str | None = None
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""

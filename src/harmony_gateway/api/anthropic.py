@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from ..errors import GatewayError
+from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.anthropic import anthropic_error, count_message_tokens, run_messages
 from ..pipeline.context import RequestContext, new_request_id
@@ -63,6 +64,7 @@ async def create_message(request: Request) -> Response:
         body = await json_body(request)
         if state.settings.log_prompts:
             ctx.log_extra["messages"] = body.get("messages")
+            tracing.annotate_prompt("messages", body.get("messages"))
         message_request = MessagesRequest.model_validate(body)
         result = await run_messages(state, message_request, ctx)
     except Exception as exc:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
 from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
+from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState, RequestContext, new_request_id
 from ..pipeline.run import run_chat
@@ -54,9 +55,12 @@ def new_context(request: Request, route: str, state: GatewayState) -> RequestCon
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
     owner = owner_of(state, request)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
-    return RequestContext(
+    ctx = RequestContext(
         request_id=request_id, route=route, owner=owner, routing_key=routing_key, metrics=state.metrics
     )
+    # Read by traffic control when the request ends: its prompt and completion tokens are charged.
+    request.state.request_context = ctx
+    return ctx
 
 
 async def json_body(request: Request) -> dict[str, Any]:
@@ -167,6 +171,7 @@ async def serve_pipeline(
         for field in prompt_fields:
             if body.get(field) is not None:
                 ctx.log_extra[field] = body[field]
+                tracing.annotate_prompt(field, body[field])
     result = await run_logged(ctx, run(state, schema.model_validate(body), ctx))
     if isinstance(result, (dict, list)):
         finish_request(ctx)

@@ -27,6 +27,14 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def call_metadata() -> tuple[tuple[str, str], ...] | None:
+    """Metadata for an engine call: the W3C trace context (`traceparent`), which SGLang and vLLM read,
+    while tracing is on; None otherwise."""
+    from ..observability.tracing import grpc_metadata
+
+    return grpc_metadata()
+
+
 def grpc_target(url: str) -> str:
     for prefix in ("grpc://", "grpcs://"):
         if url.startswith(prefix):

@@ -21,7 +21,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, set_constraint, token_logprobs
+from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,9 @@ class SglangGrpcClient(GrpcEngineClient):
         return message
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
-        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         try:
             async for reply in call:

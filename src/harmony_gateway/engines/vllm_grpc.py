@@ -29,7 +29,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from .base import BootstrapInfo, EngineChunk, GenerateRequest
-from .grpc_common import GrpcEngineClient, set_constraint, token_logprobs
+from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 #: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
@@ -135,7 +135,9 @@ class VllmGrpcClient(GrpcEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         kv_role = await self._kv_role() if request.bootstrap is not None else ""
-        call = self._stub.Generate(self.to_proto(request, kv_role), timeout=self._request_timeout)
+        call = self._stub.Generate(
+            self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         want_logprobs = request.return_logprob
         generated: dict[int, int] = {}  # running completion count per choice (chunks carry deltas)

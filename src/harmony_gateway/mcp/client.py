@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from ..errors import GatewayError
+from ..observability.tracing import traced
 from .config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -322,6 +323,7 @@ class McpConnection:
                 f"MCP server {self.label!r} failed to list its tools: {_describe(exc)}", param="tools"
             ) from None
 
+    @traced("gateway.mcp.call")
     async def call_tool(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
         """Run one tool; raises McpToolFailed on timeout, protocol or transport errors."""
         from mcp.shared.exceptions import MCPError

@@ -75,6 +75,7 @@ from ..harmony.messages import (
     tool_result,
     user,
 )
+from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
 from .hosted_tools import note_dropped_tool
@@ -472,6 +473,7 @@ class MessagesPlan:
     sign: Callable[[str], str] = field(default=lambda text: thinking_signature(text))
 
 
+@traced("gateway.prepare")
 async def prepare_messages(
     state: GatewayState, request: CountTokensRequest, group: ModelGroup
 ) -> MessagesPlan:

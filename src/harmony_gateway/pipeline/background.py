@@ -28,6 +28,9 @@ RUNNER_KEY = "_runner"
 #: How often the watcher of a running background response reads its stored status (one small query).
 CANCEL_POLL_SECONDS = 0.25
 
+#: Tasks settling finished background responses' admission tickets (kept referenced until done).
+_SETTLING: set[asyncio.Task[None]] = set()
+
 #: Statuses a background response may still leave (a cancel or its own ending moves it on).
 ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
@@ -80,6 +83,7 @@ class BackgroundRunner:
         received by another process or replica); it ends with the task."""
         task = asyncio.create_task(work, name=f"background-{response_id}")
         self._tasks[response_id] = task
+        self._hold_admission(task)
         if feed is not None:
             self._feeds[response_id] = feed
         if store is not None:
@@ -90,6 +94,23 @@ class BackgroundRunner:
             task.add_done_callback(lambda _t: watcher.cancel())
         task.add_done_callback(lambda _t: self._forget(response_id))
 
+    def _hold_admission(self, task: asyncio.Task[None]) -> None:
+        # The request's admission slot and token budget go with the response: the slot is held, and
+        # the tokens charged, until the background task ends, not when the HTTP request returns.
+        from ..traffic.middleware import current_ticket
+
+        ticket = current_ticket.get()
+        if ticket is None:
+            return
+        ticket.detach()
+
+        def settle(_task: asyncio.Task[None]) -> None:
+            follow_up = asyncio.ensure_future(ticket.settle())
+            _SETTLING.add(follow_up)
+            follow_up.add_done_callback(_SETTLING.discard)
+
+        task.add_done_callback(settle)
+
     def _forget(self, response_id: str) -> None:
         self._tasks.pop(response_id, None)
         self._feeds.pop(response_id, None)
@@ -97,6 +118,11 @@ class BackgroundRunner:
     def feed(self, response_id: str) -> Any:
         """The live event feed of a response running on this replica, or None."""
         return self._feeds.get(response_id)
+
+    @property
+    def active(self) -> int:
+        """Background responses running in this process (the drain waits for them)."""
+        return len(self._tasks)
 
     def running(self, response_id: str) -> bool:
         return response_id in self._tasks

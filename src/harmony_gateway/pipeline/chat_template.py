@@ -25,6 +25,7 @@ from jinja2.ext import loopcontrols
 
 from ..api.schemas.chat import ChatCompletionRequest
 from ..errors import InvalidRequest, UpstreamError
+from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest
 from .prepare import (
@@ -199,6 +200,7 @@ def output_spec(
     )
 
 
+@traced("gateway.prepare")
 async def prepare_chat_template(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
 ) -> PreparedRequest:

@@ -21,6 +21,7 @@ import anyio
 
 from ..engines.base import EngineChunk, GenerateRequest
 from ..errors import UpstreamError, UpstreamTimeout
+from ..observability import tracing
 from ..routing.health import record_failure, record_success
 from ..routing.workers import Worker
 from .build_request import bootstrap_for, build_generate_request
@@ -46,8 +47,10 @@ async def _first_then_rest(
     # engine client's cleanup (cancelling its gRPC call) before the garbage collector gets to it.
     async with contextlib.aclosing(stream):
         try:
-            async with asyncio.timeout(first_token_timeout):
-                first = await anext(stream)
+            # The engine span is current while the call starts: its trace context goes in the metadata.
+            with tracing.span("gateway.engine", **{"server.address": url}):
+                async with asyncio.timeout(first_token_timeout):
+                    first = await anext(stream)
         except StopAsyncIteration:
             return
         except TimeoutError:

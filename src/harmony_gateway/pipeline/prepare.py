@@ -32,6 +32,7 @@ from ..harmony.messages import (
     tool_result,
     user,
 )
+from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest
 from .reasoning_store import recall_analyses, turn_remembering
@@ -386,6 +387,7 @@ async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: lis
     return await anyio.to_thread.run_sync(renderer.render_for_completion, prefix, history)
 
 
+@traced("gateway.prepare")
 async def prepare_chat(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
 ) -> PreparedRequest:

@@ -53,6 +53,7 @@ from ..mcp.tool_loop import (
     open_tool_loop,
     parse_gateway_tools,
 )
+from ..observability.tracing import traced
 from ..storage.base import StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
@@ -266,6 +267,7 @@ def _envelope(
     }
 
 
+@traced("gateway.prepare")
 async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: RequestContext) -> ResponsePlan:
     """Validate, load the chain or conversation, map items to Harmony, and open the request's tools
     (connect, list: failures are HTTP errors). The prompt is rendered by `begin`. On any error the tools

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ..errors import NoHealthyWorker
+from ..observability.tracing import traced
 from ..routing.policy import RoutingRequest
 from ..routing.workers import Worker
 from .context import PreparedRequest, RequestContext
@@ -29,6 +30,7 @@ def _pick(policy: object, pool: list[Worker], request: RoutingRequest, exclude: 
     return policy.select(candidates, request)  # type: ignore[attr-defined]
 
 
+@traced("gateway.route")
 def select_worker(
     prepared: PreparedRequest, ctx: RequestContext, exclude: Collection[Worker] = ()
 ) -> tuple[Worker, Worker | None]:

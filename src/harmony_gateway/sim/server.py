@@ -16,7 +16,7 @@ import signal
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -96,6 +96,8 @@ class ReceivedRequest:
     kv_transfer_params: dict[str, Any] | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    #: The call's gRPC metadata (e.g. `traceparent`), keys lower-case.
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -288,6 +290,8 @@ class Run:
             self.failure.after_tokens = min(self.failure.after_tokens, max(total - 1, 0))
             if self.failure.after_tokens == 0:
                 self.fail_if_armed()
+        if core.gate is not None:
+            await core.gate.wait()
         await self.wait(core.ttft)
         sent = 0
         spans = {plan.index: chunk_spans(len(plan.ids), chunk, first_alone=first_alone) for plan in plans}
@@ -315,6 +319,8 @@ class Run:
     async def wait_whole(self, plans: list[ChoicePlan]) -> None:
         """Non-stream timing: first-token delay plus the longest choice at the configured rate."""
         longest = max((len(p.ids) for p in plans), default=0)
+        if self._core.gate is not None:
+            await self._core.gate.wait()
         await self.wait(self._core.ttft + longest * self._core.token_delay)
         self.fail_if_armed()
 
@@ -372,6 +378,10 @@ class SimCore:
         self.ttft = config.ttft_ms / 1000.0
         self.token_delay = 1.0 / config.tokens_per_second if config.tokens_per_second else 0.0
         self._runs: dict[str, Run] = {}
+        #: Most Generate calls in flight at once (admission tests assert a cap through it).
+        self.peak_active = 0
+        #: While set and not open, Generate calls wait here before their first token (`RunningSim.hold`).
+        self.gate: asyncio.Event | None = None
         self._failures: deque[_Failure] = deque()
         self._prefix = PrefixCache()
         self.frames = FrameCache()
@@ -393,6 +403,7 @@ class SimCore:
         cached = self._prefix.lookup_and_insert(received.input_ids)
         run = Run(self, received.request_id, cached, failure)
         self._runs[received.request_id] = run
+        self.peak_active = max(self.peak_active, len(self._runs))
         return run
 
     def release(self, run: Run) -> None:
@@ -487,6 +498,21 @@ class RunningSim:
     @property
     def active_requests(self) -> int:
         return self._core.active
+
+    @property
+    def peak_active(self) -> int:
+        """Most Generate calls in flight at once since start."""
+        return self._core.peak_active
+
+    def hold(self) -> None:
+        """Generate calls from now on wait before their first token until `release_held()`: a test
+        holds streams open as long as it needs, with no timing."""
+        self._core.gate = asyncio.Event()
+
+    def release_held(self) -> None:
+        if self._core.gate is not None:
+            self._core.gate.set()
+        self._core.gate = None
 
     def fail_next(
         self,

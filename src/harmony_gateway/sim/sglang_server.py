@@ -54,6 +54,7 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
     ) -> AsyncIterator[pb.GenerateResponse | bytes]:
         ids = list(request.tokenized.input_ids)
         received = ReceivedRequest(
+            metadata={k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)},
             request_id=request.request_id,
             input_ids=ids,
             sampling=MessageToDict(request.sampling_params, preserving_proto_field_name=True),

@@ -59,6 +59,7 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
         ids = list(request.tokenized.input_ids)
         sp = request.sampling_params
         received = ReceivedRequest(
+            metadata={k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)},
             request_id=request.request_id,
             input_ids=ids,
             sampling=MessageToDict(sp, preserving_proto_field_name=True),

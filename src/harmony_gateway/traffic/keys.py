@@ -1,0 +1,54 @@
+"""API key file entries: a key, optionally with its own limits and priority.
+
+    # one key per line; options after it override the command-line defaults for that key
+    sk-team-a
+    sk-batch   rate_limit=10 token_rate_limit=20000 priority=-1
+    sk-interactive priority=10
+
+`priority` is an integer: waiting requests of higher-priority keys are admitted first (default 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    rate_limit: int | None = None
+    token_rate_limit: int | None = None
+    priority: int | None = None
+
+
+_FIELDS = {"rate_limit", "token_rate_limit", "priority"}
+
+
+def parse_key_line(line: str, where: str = "") -> tuple[str, KeyPolicy] | None:
+    """`KEY [name=value ...]` → (key, policy); None for blank lines and comments. Raises ValueError."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    key, *options = line.split()
+    values: dict[str, int] = {}
+    for option in options:
+        name, sep, raw = option.partition("=")
+        name = name.replace("-", "_")
+        if not sep or name not in _FIELDS:
+            raise ValueError(f"{where}unknown key option {option!r}; expected {', '.join(sorted(_FIELDS))}")
+        try:
+            values[name] = int(raw)
+        except ValueError:
+            raise ValueError(f"{where}{name} expects an integer, got {raw!r}") from None
+        if name != "priority" and values[name] < 1:
+            raise ValueError(f"{where}{name} must be 1 or more")
+    return key, KeyPolicy(**values)
+
+
+def read_key_file(path: str) -> dict[str, KeyPolicy]:
+    out: dict[str, KeyPolicy] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        entry = parse_key_line(line, f"{path}:{number}: ")
+        if entry is not None:
+            out[entry[0]] = entry[1]
+    return out

@@ -1,0 +1,588 @@
+"""`TrafficMiddleware`: the one place traffic control meets HTTP, as a pure ASGI middleware.
+
+Per request, in order:
+1. the request's trace span (continuing the client's `traceparent`);
+2. while draining: `/readiness` and every new `/v1` or `/generate` request answer 503 with `retry-after`;
+3. the key's (or address's) request and token budgets: generating routes take a request and need a
+   positive token balance, other routes only read them; every response carries `x-ratelimit-*`, a
+   refusal is a 429 `rate_limit_exceeded` with `retry-after`;
+4. admission for generating routes: a slot at once, a place in the queue, or a 429 (`queue_full`,
+   later `queue_timeout`) with `retry-after`; a client that
+   leaves while queued gives its place up at once (its disconnect is watched while it waits);
+5. the app; the prompt's tokens (from the request's `RequestContext`) are charged as the response
+   starts; the slot is released when its last byte is sent or the client leaves, and the completion
+   tokens are charged then.
+A background response takes over its request's `Ticket` (`current_ticket`), holding the slot and
+charging its tokens when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import orjson
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import GatewayError, Overloaded, RateLimited
+from ..observability import tracing
+from ..settings import Settings
+from .admission import Admission, SharedSlots, Slot
+from .keys import KeyPolicy
+from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
+
+log = logging.getLogger(__name__)
+
+#: The routes that run generations: admission and request budgets apply to these.
+GENERATING_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/generate"}
+)
+_PROBES = frozenset({"/health", "/readiness", "/metrics"})
+
+#: The request's ticket, for a background response to take over (`BackgroundRunner.start`).
+current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("traffic_ticket", default=None)
+
+
+class TrafficMetrics:
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.admission_in_flight = Gauge(
+            "gateway_admission_in_flight",
+            "Generation requests admitted and not finished",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.admission_queue_depth = Gauge(
+            "gateway_admission_queue_depth",
+            "Generation requests waiting for admission",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.admission_wait = Histogram(
+            "gateway_admission_wait_seconds",
+            "Time admitted requests waited in the queue",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+            registry=registry,
+        )
+        self.admission_refused = Counter(
+            "gateway_admission_refused_total",
+            "Requests refused by admission, by reason (queue_full, queue_timeout, draining)",
+            ["reason"],
+            registry=registry,
+        )
+        self.rate_limited = Counter(
+            "gateway_rate_limited_total",
+            "Requests refused by a rate limit, by limit (requests, tokens)",
+            ["limit"],
+            registry=registry,
+        )
+        self.rate_limit_store_up = Gauge(
+            "gateway_rate_limit_store_up",
+            "1 while the shared rate-limit store (Redis) answers, 0 while budgets are per process",
+            registry=registry,
+            multiprocess_mode="min",
+        )
+
+
+#: Prompt-token charges on their way to the store (kept referenced until done).
+_CHARGING: set[asyncio.Task[None]] = set()
+
+
+class Ticket:
+    """One admitted request: its slot and the budgets its tokens are charged to, settled once.
+
+    The prompt's tokens are charged as the response starts (the prompt is known by then), the rest
+    when the request ends."""
+
+    __slots__ = (
+        "_control",
+        "charged",
+        "detached",
+        "identity",
+        "policy",
+        "scope_state",
+        "settled",
+        "slot",
+    )
+
+    def __init__(
+        self,
+        control: TrafficControl,
+        slot: Slot | None,
+        identity: str | None,
+        policy: KeyPolicy | None,
+        scope_state: dict[str, Any],
+    ) -> None:
+        self._control = control
+        self.slot = slot
+        self.identity = identity
+        self.policy = policy
+        self.scope_state = scope_state
+        self.detached = False
+        self.settled = False
+        #: Tokens charged so far.
+        self.charged = 0
+
+    def detach(self) -> None:
+        """A background task now owns this ticket and settles it when it ends."""
+        self.detached = True
+
+    def _owed(self) -> tuple[int, int]:
+        """(token limit, tokens used but not charged yet)."""
+        ctx = self.scope_state.get("request_context")
+        limit = self._control.token_limit(self.policy)
+        if ctx is None or not limit or self.identity is None:
+            return 0, 0
+        return limit, ctx.prompt_tokens + ctx.completion_tokens - self.charged
+
+    def charge_started(self) -> None:
+        """The response is starting: charge what the request used so far (its prompt), off the send path."""
+        limit, owed = self._owed()
+        if owed > 0:
+            self.charged += owed
+            task = asyncio.ensure_future(self._charge(limit, owed))
+            _CHARGING.add(task)
+            task.add_done_callback(_CHARGING.discard)
+
+    async def _charge(self, limit: int, tokens: int) -> None:
+        await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
+
+    async def settle(self) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        if self.slot is not None:
+            self.slot.release()
+        limit, owed = self._owed()
+        if owed > 0:
+            self.charged += owed
+            await self._charge(limit, owed)
+
+
+class TrafficControl:
+    """The gateway's traffic state: admission, budgets and the drain. Built with the app."""
+
+    def __init__(
+        self, settings: Settings, registry: Any = None, shared_slots_path: str | None = None
+    ) -> None:
+        self.settings = settings
+        self.metrics = TrafficMetrics(registry) if registry is not None else None
+        self.admission: Admission | None = None
+        if settings.max_concurrent_requests:
+            shared = (
+                SharedSlots(shared_slots_path, settings.max_concurrent_requests)
+                if shared_slots_path
+                else None
+            )
+            self.admission = Admission(
+                settings.max_concurrent_requests,
+                settings.queue_size,
+                settings.queue_timeout,
+                shared=shared,
+                metrics=self.metrics,
+            )
+        self.buckets: LocalBuckets | RedisBuckets = (
+            RedisBuckets(settings.rate_limit_store, metrics=self.metrics)
+            if settings.rate_limit_store
+            else LocalBuckets()
+        )
+        self.limits_on = bool(
+            settings.rate_limit
+            or settings.token_rate_limit
+            or any(p.rate_limit or p.token_rate_limit for p in settings.key_policies.values())
+        )
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._scopes: set[anyio.CancelScope] = set()
+        self._drain_expired = False
+        #: Running background responses (set by the app): the drain waits for them too.
+        self.background_running: Callable[[], int] = lambda: 0
+
+    def attach_metrics(self, metrics: TrafficMetrics) -> None:
+        self.metrics = metrics
+        if self.admission is not None:
+            self.admission.metrics = metrics
+        if isinstance(self.buckets, RedisBuckets):
+            self.buckets.metrics = metrics
+            metrics.rate_limit_store_up.set(1 if self.buckets.up else 0)
+
+    def request_limit(self, policy: KeyPolicy | None) -> int | None:
+        return (policy.rate_limit if policy and policy.rate_limit else None) or self.settings.rate_limit
+
+    def token_limit(self, policy: KeyPolicy | None) -> int | None:
+        return (
+            policy.token_rate_limit if policy and policy.token_rate_limit else None
+        ) or self.settings.token_rate_limit
+
+    def identify(self, scope: Scope, headers: Headers) -> tuple[str | None, KeyPolicy | None]:
+        """The budget's owner: a hash of the API key, or the client address when the gateway has no
+        keys; None for an unknown key (the route answers 401)."""
+        keys = self.settings.api_keys
+        if not keys:
+            client = scope.get("client")
+            return f"addr:{client[0] if client else 'unknown'}", None
+        header = headers.get("authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        if not token or token not in keys:
+            return None, None
+        digest = hashlib.sha256(token.encode()).hexdigest()[:24]
+        return f"key:{digest}", self.settings.key_policies.get(token)
+
+    def priority(self, policy: KeyPolicy | None) -> int:
+        return policy.priority if policy is not None and policy.priority is not None else 0
+
+    async def check_budgets(
+        self, identity: str, policy: KeyPolicy | None, generating: bool
+    ) -> tuple[list[tuple[bytes, bytes]], RateLimited | None]:
+        """Take (generating) or read the key's budgets: the headers to send, and the refusal when a
+        budget is spent."""
+        headers: list[tuple[bytes, bytes]] = []
+        refusal: RateLimited | None = None
+        limit = self.request_limit(policy)
+        if limit:
+            state = await self.buckets.run(f"{identity}:requests", limit, "take" if generating else "peek", 1)
+            headers += headers_for("requests", state)
+            if not state.allowed:
+                refusal = self._refusal("requests", limit, state, 1.0)
+        limit = self.token_limit(policy)
+        if limit:
+            state = await self.buckets.run(f"{identity}:tokens", limit, "check" if generating else "peek")
+            headers += headers_for("tokens", state)
+            if not state.allowed and refusal is None:
+                refusal = self._refusal("tokens", limit, state, 1.0)
+        return headers, refusal
+
+    def _refusal(self, kind: str, limit: int, state: BucketState, needed: float) -> RateLimited:
+        if self.metrics is not None:
+            self.metrics.rate_limited.labels(limit=kind).inc()
+        return RateLimited(
+            f"Rate limit reached: {limit} {kind} per minute. Retry after {state.retry_after(needed):.0f}s.",
+            retry_after=state.retry_after(needed),
+        )
+
+    # -- drain ---------------------------------------------------------------------------------
+
+    def _enter(self, scope: anyio.CancelScope) -> None:
+        self.in_flight += 1
+        self._scopes.add(scope)
+        self._idle.clear()
+
+    def _leave(self, scope: anyio.CancelScope) -> None:
+        self.in_flight -= 1
+        self._scopes.discard(scope)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.warning(
+                "draining: refusing new requests; %d in flight finish within %gs",
+                self.in_flight,
+                self.settings.drain_timeout,
+            )
+
+    async def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new requests and wait for in-flight ones and background responses; past `timeout`
+        cut what is left (streams end with a terminal error event). True when all finished in time."""
+        self.begin_drain()
+        timeout = self.settings.drain_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.in_flight == 0 and self.background_running() == 0:
+                log.warning("drained: every request finished")
+                return True
+            # Woken by the last request leaving; background responses are polled.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), min(0.1, max(0.0, deadline - time.monotonic())))
+        log.warning("drain timeout: cutting %d requests still in flight", self.in_flight)
+        self._drain_expired = True
+        for scope in list(self._scopes):
+            scope.cancel()
+        return False
+
+    async def close(self) -> None:
+        if isinstance(self.buckets, RedisBuckets):
+            await self.buckets.close()
+
+
+def _error_body(path: str, exc: GatewayError) -> tuple[int, bytes]:
+    if path == "/v1/messages":
+        from ..pipeline.anthropic import anthropic_error
+
+        status, body = anthropic_error(exc)
+        return status, orjson.dumps(body)
+    return exc.status_code, orjson.dumps({"error": exc.to_dict()})
+
+
+def _terminal_frame(path: str, exc: GatewayError, sequence_number: int) -> bytes:
+    """A stream's last event when the drain timeout cuts it, in its route's own error shape."""
+    from ..api.sse import chat_error_frame, event_frame
+
+    if path == "/v1/messages":
+        from ..pipeline.anthropic import error_event
+
+        return error_event(exc)
+    if path == "/v1/responses":
+        error = exc.to_dict()
+        return event_frame(
+            "error",
+            {
+                "type": "error",
+                "code": error["code"],
+                "message": error["message"],
+                "param": error["param"],
+                "sequence_number": sequence_number,
+            },
+        )
+    return chat_error_frame(exc)
+
+
+async def _send_error(
+    send: Send, path: str, exc: GatewayError, request_id: str, extra: list[tuple[bytes, bytes]]
+) -> None:
+    status, body = _error_body(path, exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
+    if request_id:
+        headers.append((b"x-request-id", request_id.encode()))
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+        headers.append((b"retry-after-ms", str(int(retry_after * 1000)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class TrafficMiddleware:
+    def __init__(self, app: ASGIApp, control: TrafficControl) -> None:
+        self.app = app
+        self.control = control
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        headers = Headers(scope=scope)
+        attributes: dict[str, Any] = {"http.request.method": scope["method"], "url.path": path}
+        span, token = tracing.start_request_span(f"{scope['method']} {path}", headers, attributes)
+        status: list[int] = [0]
+        try:
+            await self._handle(scope, receive, send, path, headers, status)
+        finally:
+            tracing.end_request_span(span, token, status[0] or None)
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, path: str, headers: Headers, status: list[int]
+    ) -> None:
+        control = self.control
+        request_id = scope.get("state", {}).get("request_id") or headers.get("x-request-id") or ""
+        if path in _PROBES:
+            if path == "/readiness" and control.draining:
+                status[0] = 503
+                exc = Overloaded("the gateway is shutting down", code="shutting_down")
+                await _send_error(send, path, exc, request_id, [])
+                return
+            await self.app(scope, receive, send)
+            return
+        if control.draining:
+            if control.metrics is not None:
+                control.metrics.admission_refused.labels(reason="draining").inc()
+            status[0] = 503
+            exc = Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
+            await _send_error(send, path, exc, request_id, [(b"connection", b"close")])
+            return
+        # Counted from here, queued or running: the drain waits for every request it did not refuse,
+        # and past its timeout cancels this scope.
+        watch = _ResponseWatch(send, status, path)
+        cancel_scope = anyio.CancelScope()
+        control._enter(cancel_scope)
+        try:
+            with cancel_scope:
+                await self._admit_and_run(scope, receive, watch, path, headers, request_id)
+            if cancel_scope.cancelled_caught:
+                # End the request in its route's own error shape (a stream gets a terminal event).
+                await watch.cut(
+                    Overloaded("the gateway shut down before this response finished", code="shutting_down")
+                )
+        finally:
+            control._leave(cancel_scope)
+
+    async def _admit_and_run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        watch: _ResponseWatch,
+        path: str,
+        headers: Headers,
+        request_id: str,
+    ) -> None:
+        control = self.control
+        generating = scope["method"] == "POST" and path in GENERATING_PATHS
+        identity, policy = control.identify(scope, headers)
+        if control.limits_on and identity is not None:
+            watch.extra, refusal = await control.check_budgets(identity, policy, generating)
+            if refusal is not None:
+                await _send_error(watch, path, refusal, request_id, [])
+                return
+        slot: Slot | None = None
+        # An unknown key takes no place: the route answers 401 at once.
+        if generating and control.admission is not None and identity is not None:
+            try:
+                with tracing.span("gateway.admission"):
+                    slot, receive = await _acquire_watching(
+                        control.admission, control.priority(policy), receive
+                    )
+            except RateLimited as refusal:
+                await _send_error(watch, path, refusal, request_id, [])
+                return
+            if slot is None:
+                return  # the client left while queued
+        ticket = Ticket(control, slot, identity, policy, scope.setdefault("state", {}))
+        watch.ticket = ticket
+        reset = current_ticket.set(ticket)
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            current_ticket.reset(reset)
+            if not ticket.detached:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await ticket.settle()
+
+
+class _ResponseWatch:
+    """The app's `send`: adds the budget headers, times the stream span, and can end a cut stream."""
+
+    __slots__ = (
+        "_path",
+        "_send",
+        "_span",
+        "_status",
+        "extra",
+        "finished",
+        "started",
+        "streaming",
+        "ticket",
+        "sequence_number",
+    )
+
+    def __init__(self, send: Send, status: list[int], path: str) -> None:
+        self._send = send
+        #: The budget headers, added to the response's headers.
+        self.extra: list[tuple[bytes, bytes]] = []
+        self._status = status
+        self._path = path
+        self._span: Any = None
+        self.ticket: Ticket | None = None
+        #: Responses streams: the sequence number a cut stream's error event takes.
+        self.sequence_number = 0
+        self.started = False
+        self.finished = False
+        self.streaming = False
+
+    async def __call__(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.started = True
+            self._status[0] = message["status"]
+            if self.ticket is not None:
+                self.ticket.charge_started()
+            if self.extra:
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), *self.extra]
+            for name, value in message.get("headers", []):
+                if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
+                    self.streaming = True
+                    self._span = tracing.start_span("gateway.stream")
+        elif kind == "http.response.body":
+            if self.streaming and self._path == "/v1/responses":
+                self._follow_sequence(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.finished = True
+                self._end_span()
+        await self._send(message)
+
+    def _follow_sequence(self, body: bytes) -> None:
+        at = body.rfind(b'"sequence_number":')
+        if at >= 0:
+            digits = re.match(rb"\s*(\d+)", body[at + 18 : at + 40])
+            if digits:
+                self.sequence_number = int(digits.group(1)) + 1
+
+    def _end_span(self) -> None:
+        if self._span is not None:
+            self._span.end()
+            self._span = None
+
+    async def cut(self, exc: GatewayError) -> None:
+        self._end_span()
+        with contextlib.suppress(Exception):  # the client may be gone too
+            if not self.started:
+                await _send_error(self, self._path, exc, "", [])
+            elif self.streaming and not self.finished:
+                frame = _terminal_frame(self._path, exc, self.sequence_number)
+                await self._send({"type": "http.response.body", "body": frame, "more_body": False})
+
+
+async def _acquire_watching(
+    admission: Admission, priority: int, receive: Receive
+) -> tuple[Slot | None, Receive]:
+    """A slot, waiting while watching the connection: (None, _) when the client left first; raises
+    `RateLimited` when refused. Messages
+    read meanwhile (the request body) are replayed to the app by the returned `receive`."""
+    slot = admission.try_acquire()
+    if slot is not None:
+        return slot, receive
+    buffered: list[Message] = []
+
+    async def watch() -> None:
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] == "http.disconnect":
+                return
+
+    acquire = asyncio.ensure_future(admission.acquire(priority))
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({acquire, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not acquire.done():
+            acquire.cancel()
+        await asyncio.gather(acquire, watcher, return_exceptions=True)
+    if acquire.cancelled():
+        return None, receive  # the client left: its place is given up
+    slot = acquire.result()  # raises RateLimited
+    if buffered and buffered[-1]["type"] == "http.disconnect":
+        slot.release()
+        return None, receive
+
+    async def replay() -> Message:
+        if buffered:
+            return buffered.pop(0)
+        return await receive()
+
+    return slot, replay
+
+
+__all__ = [
+    "GENERATING_PATHS",
+    "Ticket",
+    "TrafficControl",
+    "TrafficMetrics",
+    "TrafficMiddleware",
+    "current_ticket",
+]

@@ -1,0 +1,181 @@
+"""Per-key budgets: token buckets of `limit` per minute, refilled continuously.
+
+Two buckets per key (or per client address when the gateway has no keys): requests (one taken at
+admission) and tokens (admission needs a positive balance; the prompt's tokens are charged as the
+response starts, the completion tokens when it ends, so a long answer may drive the balance below zero
+and later requests wait until it refills). Buckets live in this process (`LocalBuckets`) or in Redis (`RedisBuckets`: one
+Lua script per operation, so concurrent replicas never race; Redis's own clock, so replicas' clocks
+need not agree). When Redis cannot be reached the gateway keeps serving on local buckets, logs it
+once and sets `gateway_rate_limit_store_up` to 0; it tries Redis again after `REDIS_RETRY_SECONDS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WINDOW_SECONDS = 60.0
+REDIS_RETRY_SECONDS = 2.0
+REDIS_TIMEOUT_SECONDS = 0.5
+#: Idle buckets expire after a full refill: a key unseen for that long is back at its limit anyway.
+KEY_TTL_SECONDS = int(WINDOW_SECONDS) + 5
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """A bucket after an operation: `allowed` said whether it let the request through."""
+
+    limit: int
+    level: float
+    allowed: bool = True
+
+    @property
+    def remaining(self) -> int:
+        return max(0, int(self.level))
+
+    @property
+    def reset_seconds(self) -> float:
+        """Until the bucket is full again."""
+        return max(0.0, (self.limit - self.level) * WINDOW_SECONDS / self.limit)
+
+    def retry_after(self, needed: float = 1.0) -> float:
+        """Until `needed` units are available (at least 1 s)."""
+        return max(1.0, (needed - self.level) * WINDOW_SECONDS / self.limit)
+
+
+def apply(level: float, limit: int, elapsed: float, mode: str, amount: float) -> tuple[float, bool]:
+    """The bucket rule shared by both stores (the Lua script below is its twin).
+
+    `take`: take `amount` if available; `check`: allowed while the balance is positive; `charge`: take
+    `amount` even into debt; `peek`: nothing."""
+    level = min(float(limit), level + elapsed * limit / WINDOW_SECONDS)
+    allowed = True
+    if mode == "take":
+        if level >= amount:
+            level -= amount
+        else:
+            allowed = False
+    elif mode == "check":
+        allowed = level > 0
+    elif mode == "charge":
+        level -= amount
+    return level, allowed
+
+
+class LocalBuckets:
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    async def run(self, key: str, limit: int, mode: str, amount: float = 0.0) -> BucketState:
+        now = time.monotonic()
+        level, at = self._buckets.get(key, (float(limit), now))
+        level, allowed = apply(level, limit, now - at, mode, amount)
+        if level >= limit:
+            self._buckets.pop(key, None)  # full buckets need no memory
+        else:
+            self._buckets[key] = (level, now)
+        return BucketState(limit, level, allowed)
+
+
+_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local limit = tonumber(ARGV[1])
+local mode = ARGV[2]
+local amount = tonumber(ARGV[3])
+local saved = redis.call('HMGET', KEYS[1], 'level', 'at')
+local level = tonumber(saved[1]) or limit
+local at = tonumber(saved[2]) or now
+level = math.min(limit, level + math.max(0, now - at) * limit / 60)
+local allowed = 1
+if mode == 'take' then
+  if level >= amount then level = level - amount else allowed = 0 end
+elseif mode == 'check' then
+  if level <= 0 then allowed = 0 end
+elseif mode == 'charge' then
+  level = level - amount
+end
+if mode ~= 'peek' then
+  redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+end
+return {allowed, tostring(level)}
+"""
+
+
+class RedisBuckets:
+    """Buckets in Redis under `prefix`, with local buckets as the fallback while Redis is down."""
+
+    def __init__(self, url: str, *, prefix: str = "harmony-gateway:rl:", metrics: Any = None) -> None:
+        import redis.asyncio as redis
+
+        self.url = url
+        self.prefix = prefix
+        self.metrics = metrics
+        self.local = LocalBuckets()
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=REDIS_TIMEOUT_SECONDS,
+            socket_connect_timeout=REDIS_TIMEOUT_SECONDS,
+            retry_on_timeout=False,
+        )
+        self._script = self._client.register_script(_LUA)
+        self._down_until = 0.0
+        #: False while Redis is unreachable (budgets are then per process).
+        self.up = True
+
+    def _set_up(self, up: bool, reason: object = None) -> None:
+        if up != self.up:
+            if up:
+                log.warning("rate-limit store %s is reachable again; budgets are shared", self._where)
+            else:
+                log.warning(
+                    "rate-limit store %s is unreachable (%s); enforcing per-process budgets until it returns",
+                    self._where,
+                    reason,
+                )
+        self.up = up
+        if self.metrics is not None:
+            self.metrics.rate_limit_store_up.set(1 if up else 0)
+
+    @property
+    def _where(self) -> str:
+        return self.url.split("@")[-1]
+
+    async def run(self, key: str, limit: int, mode: str, amount: float = 0.0) -> BucketState:
+        if time.monotonic() >= self._down_until:
+            try:
+                allowed, level = await self._script(
+                    keys=[self.prefix + key], args=[limit, mode, amount, KEY_TTL_SECONDS]
+                )
+            except Exception as exc:  # any Redis trouble: keep serving on local budgets
+                self._down_until = time.monotonic() + REDIS_RETRY_SECONDS
+                self._set_up(False, exc)
+            else:
+                if not self.up:
+                    self._set_up(True)
+                return BucketState(limit, float(level), bool(int(allowed)))
+        return await self.local.run(key, limit, mode, amount)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's duration format for `x-ratelimit-reset-*`: `20ms`, `6s`, `1m30s`."""
+    if seconds < 1:
+        return f"{int(seconds * 1000)}ms"
+    minutes, secs = divmod(int(seconds + 0.999), 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def headers_for(kind: str, state: BucketState) -> list[tuple[bytes, bytes]]:
+    return [
+        (f"x-ratelimit-limit-{kind}".encode(), str(state.limit).encode()),
+        (f"x-ratelimit-remaining-{kind}".encode(), str(state.remaining).encode()),
+        (f"x-ratelimit-reset-{kind}".encode(), format_reset(state.reset_seconds).encode()),
+    ]
