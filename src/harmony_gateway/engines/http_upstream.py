@@ -38,7 +38,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .base import EngineChunk, GenerateRequest, ModelInfo
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -131,6 +131,9 @@ class HttpUpstreamClient:
             raise InvalidRequest(f"api={api!r} in {url!r}: expected one of {', '.join(APIS)}", param="url")
         self.url = url
         self.api = api
+        #: Text mode: the pipeline sends `upstream_body` and reads text; the upstream does its own
+        #: stops, constraints and tokenization, so nothing else is declared.
+        self.capabilities = EngineCapabilities(wire="text", text_api=api)
         #: `?model=NAME` picks one of several models the server lists.
         self.model_name: str | None = (query.get("model") or [None])[0]
         self.base_url = f"{parts.scheme}://{parts.netloc}{path}"

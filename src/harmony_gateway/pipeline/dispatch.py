@@ -138,7 +138,9 @@ async def dispatch(
             bootstrap=bootstrap,
             input_ids=input_ids,
             stream_interval=(
-                adaptive_stream_interval(worker.in_flight)
+                None
+                if not worker.client.capabilities.stream_interval
+                else adaptive_stream_interval(worker.in_flight)
                 if settings.stream_interval == 0
                 else settings.stream_interval
             ),

@@ -429,6 +429,10 @@ def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> Samplin
     sampling.json_schema = params.json_schema
     sampling.regex = params.regex
     sampling.structural_tag = params.structural_tag
+    kind = next(
+        (k for k in ("json_schema", "regex", "structural_tag") if getattr(params, k) is not None), None
+    )
+    sampling.constraint_param = f"sampling_params.{kind}" if kind else None
     return sampling
 
 
