@@ -6,8 +6,14 @@ STAMP := $(VENV)/.installed
 # Real clients the end-to-end tests drive, pinned; installed beside the venv when npm is available.
 CLIENT_TOOLS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.197
 TOOLS_STAMP := .tools/.installed
+# Real engine servers for the conformance tests (tests/real_engines), each in its own environment under
+# the project's cache folder, plus the tiny Harmony-trained gpt-oss they serve (cached by recipe hash).
+ENGINES := .cache/engines
+MLX_VENV := $(ENGINES)/mlx-venv
+MLX_STAMP := $(MLX_VENV)/.installed
+MLX_PACKAGES := smg-grpc-servicer==0.14.1 'mlx[cpu]==0.32.4' mlx-lm==0.31.3
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench clean engines
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,12 +28,20 @@ $(TOOLS_STAMP): Makefile
 		|| echo "warning: could not install the Codex and Claude Code CLIs; their tests will be skipped"; \
 	else echo "warning: npm not found; the Codex and Claude Code tests will be skipped"; fi
 
+$(MLX_STAMP):
+	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/pip install --quiet $(MLX_PACKAGES) && touch $(MLX_STAMP) \
+		|| echo "warning: could not install the MLX engine server; the real-engine tests will be skipped"
+
+engines: $(STAMP) $(MLX_STAMP)
+	@if [ -f $(MLX_STAMP) ]; then $(PY) -m harmony_gateway.sim.tiny_model build $(ENGINES) $(MLX_VENV)/bin/python; fi
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/harmony-gateway serve --demo
 
-test: $(STAMP) $(TOOLS_STAMP)
+test: $(STAMP) $(TOOLS_STAMP) engines
 	$(VENV)/bin/ruff check src tests benchmarks
 	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests
 
