@@ -218,8 +218,9 @@ class _Handler(grpc.GenericRpcHandler):
         proxy = self._proxy
         if method.rsplit("/", 1)[-1] in _STREAMING:
 
-            def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
-                return proxy.stream(method, request, context)
+            async def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+                async for reply in proxy.stream(method, request, context):
+                    yield reply
 
             return grpc.unary_stream_rpc_method_handler(stream)
 
