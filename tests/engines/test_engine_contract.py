@@ -22,7 +22,7 @@ from harmony_gateway.sim import SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.support.servers import running_gateway
 from tests.support.servers import test_settings as gateway_settings
-from tests.support.tiny_tokenizer import write_tokenizer_folder
+from tests.support.tiny_tokenizer import eos_id, write_tokenizer_folder
 
 ENGINES = [name for name in GRPC_ENGINES if name != "auto"]
 RETURN, CALL = 200002, 200012
@@ -154,9 +154,18 @@ async def test_an_aborted_request_ends_the_stream_with_an_error_never_a_hang(eng
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-async def test_the_worker_sends_its_tokenizer(engine: str, tmp_path: Path) -> None:
+async def test_a_non_harmony_model_needs_no_local_tokenizer(engine: str, tmp_path: Path) -> None:
+    """The worker's GetTokenizer sends the tokenizer as a zip (checked by SHA-256), client and gateway."""
     folder = write_tokenizer_folder(tmp_path / "tok")
-    config = SimConfig(engine=engine, model="tiny-chat", harmony=False, tokenizer_path=str(folder))  # type: ignore[arg-type]
+    answer = "Hello from the engine."
+    config = SimConfig(
+        engine=engine,  # type: ignore[arg-type]
+        model="tiny-chat",
+        harmony=False,
+        tokenizer_path=str(folder),
+        replies=(("", answer),),
+        eos_token_id=eos_id(folder),
+    )
     async with await start_sim_engine(config) as sim:
         client = create_client(sim.url, "auto")
         try:
@@ -164,10 +173,15 @@ async def test_the_worker_sends_its_tokenizer(engine: str, tmp_path: Path) -> No
             assert client.capabilities.tokenizer
             data = await client.get_tokenizer(timeout=10)
             with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                names = set(archive.namelist())
-            assert "tokenizer.json" in names
-            assert (folder / "tokenizer.json").read_bytes() == zipfile.ZipFile(io.BytesIO(data)).read(
-                "tokenizer.json"
-            )
+                assert archive.read("tokenizer.json") == (folder / "tokenizer.json").read_bytes()
         finally:
             await client.close()
+        async with (
+            running_gateway(gateway_settings(worker_urls=(sim.url,), engine="auto")) as gw,
+            openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0, timeout=30) as oai,
+        ):
+            r = await oai.chat.completions.create(
+                model="tiny-chat", messages=[{"role": "user", "content": "Hi"}]
+            )
+            assert r.choices[0].message.content == answer
+            assert gw.state.tokenizers["tiny-chat"].source == sim.url
