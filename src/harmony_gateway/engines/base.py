@@ -184,8 +184,11 @@ class EngineClient(Protocol):
     """One connection to one engine worker. Implementations reuse one channel for all requests."""
 
     url: str
-    #: The protocol's name ("sglang", "vllm", "mlx", "trtllm", "tokenspeed", "http"; "auto" until known).
-    engine: str
+
+    @property
+    def engine(self) -> str:
+        """The protocol's name ("sglang", "vllm", "mlx", "trtllm", "tokenspeed", "http"; "auto" until known)."""
+        ...
 
     @property
     def capabilities(self) -> EngineCapabilities: ...

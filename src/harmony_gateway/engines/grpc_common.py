@@ -9,7 +9,7 @@ normalisation stay in each engine module, so `pipeline/` sees one shape.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -17,7 +17,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from ..errors import InvalidRequest, UpstreamError
-from .base import EngineCapabilities, GenerateRequest, ModelInfo, SamplingOptions, TokenLogprob
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, SamplingOptions, TokenLogprob
 from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
@@ -114,6 +114,12 @@ class GrpcEngineClient:
         if digest and hashlib.sha256(data).hexdigest() != digest.lower():
             raise UpstreamError(f"the tokenizer sent by {self.url} does not match its SHA-256")
         return data
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[EngineChunk]:
+        raise NotImplementedError  # each engine module normalises its own stream
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        raise NotImplementedError
 
     async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
         """Overridden by engines whose `capabilities.server_info` is set."""

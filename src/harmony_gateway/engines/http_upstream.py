@@ -187,6 +187,14 @@ class HttpUpstreamClient:
             return response.status_code == 200
         return False
 
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Not declared (`capabilities.server_info` is False): an OpenAI server has no such endpoint."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} has no server info")
+
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        """Not declared (`capabilities.tokenizer` is False): the upstream tokenizes itself."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} cannot send its tokenizer")
+
     async def abort(self, request_id: str) -> None:
         """Nothing to send: closing the response stream aborts the upstream request."""
 
