@@ -6,8 +6,14 @@ STAMP := $(VENV)/.installed
 # Real clients the end-to-end tests drive, pinned; installed beside the venv when npm is available.
 CLIENT_TOOLS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.197
 TOOLS_STAMP := .tools/.installed
+# Real engine servers for the conformance tests (tests/real_engines), each in its own environment under
+# the project's cache folder, plus the tiny Harmony-trained gpt-oss they serve (cached by recipe hash).
+ENGINES := .cache/engines
+MLX_VENV := $(ENGINES)/mlx-venv
+MLX_STAMP := $(MLX_VENV)/.installed
+MLX_PACKAGES := smg-grpc-servicer==0.14.1 'mlx[cpu]==0.32.4' mlx-lm==0.31.3
 
-.PHONY: install demo test lint format bench clean chromium
+.PHONY: install demo test lint format bench clean chromium engines
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +27,14 @@ $(TOOLS_STAMP): Makefile
 		npm install --silent --no-fund --no-audit --prefix .tools $(CLIENT_TOOLS) && touch $(TOOLS_STAMP) \
 		|| echo "warning: could not install the Codex and Claude Code CLIs; their tests will be skipped"; \
 	else echo "warning: npm not found; the Codex and Claude Code tests will be skipped"; fi
+
+$(MLX_STAMP):
+	test -x $(MLX_VENV)/bin/python || $(PYTHON) -m venv $(MLX_VENV)
+	$(MLX_VENV)/bin/pip install --quiet $(MLX_PACKAGES) && touch $(MLX_STAMP) \
+		|| echo "warning: could not install the MLX engine server; the real-engine tests will be skipped"
+
+engines: $(STAMP) $(MLX_STAMP)
+	@if [ -f $(MLX_STAMP) ]; then $(PY) -m harmony_gateway.sim.tiny_model build $(ENGINES) $(MLX_VENV)/bin/python; fi
 
 install: $(STAMP)
 
@@ -36,10 +50,16 @@ chromium:
 		else echo "warning: chromium is missing and installing it needs root:" \
 			"run 'sudo apt-get install -y chromium'; the browser tests will be skipped"; fi; }
 
+# The engine set-up (minutes on a fresh machine, nothing once cached) runs beside the rest of the suite;
+# the real-engine tests run once it is done.
 test: $(STAMP) $(TOOLS_STAMP) chromium
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
-	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests
+	@mkdir -p $(ENGINES)
+	@$(MAKE) --no-print-directory engines > $(ENGINES)/setup.log 2>&1 & setup=$$!; \
+	PATH="$(CURDIR)/.tools/node_modules/.bin:$$PATH" $(PY) -m pytest -q tests --ignore=tests/real_engines; \
+	status=$$?; wait $$setup; cat $(ENGINES)/setup.log; \
+	$(PY) -m pytest -q tests/real_engines || status=1; exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -95,11 +95,10 @@ async def add_worker(state: GatewayState, url: str, kind: WorkerKind, engine: st
 
 
 async def _learn_bootstrap_port(state: GatewayState, worker: Worker) -> None:
-    server_info = getattr(worker.client, "server_info", None)
-    if server_info is None:
+    if not worker.client.capabilities.server_info:
         return
     with contextlib.suppress(Exception):
-        args = await server_info(timeout=state.settings.timeouts.connect)
+        args = await worker.client.server_info(timeout=state.settings.timeouts.connect)
         port = args.get("disaggregation_bootstrap_port")
         if port:
             worker.bootstrap_port = int(port)

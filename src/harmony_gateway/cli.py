@@ -211,7 +211,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--decode", action="append", metavar="URL", help="decode worker for PD disaggregation (repeatable)"
     )
     p.add_argument(
-        "--engine", default="auto", choices=["auto", "sglang", "vllm"], help="engine gRPC protocol"
+        "--engine",
+        default="auto",
+        choices=["auto", "sglang", "vllm", "mlx", "trtllm", "tokenspeed"],
+        help="engine gRPC protocol (auto: detected on the worker's first probe)",
     )
     p.add_argument(
         "--harmony-models",
@@ -494,7 +497,12 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default="openai/gpt-oss-20b", help="served model name")
-    p.add_argument("--engine", default="sglang", choices=["sglang", "vllm"], help="gRPC protocol to speak")
+    p.add_argument(
+        "--engine",
+        default="sglang",
+        choices=["sglang", "vllm", "mlx", "trtllm", "tokenspeed"],
+        help="gRPC protocol to speak",
+    )
     p.add_argument(
         "--tokens-per-second", type=float, default=None, help="pace output (default: as fast as possible)"
     )

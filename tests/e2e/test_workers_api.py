@@ -72,7 +72,7 @@ async def test_add_worker_errors_and_unreachable_worker() -> None:
             assert r.status_code == 400 and r.json()["error"]["param"] == "kind"
             r = await http.post("/workers", json={"kind": "regular"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "url"
-            r = await http.post("/workers", json={"url": dead_url, "engine": "trtllm"})
+            r = await http.post("/workers", json={"url": dead_url, "engine": "lmdeploy"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "engine"
             r = await http.post("/workers", json={"url": dead_url, "kind": "decode"})
             assert r.status_code == 201 and r.json()["healthy"] is False and r.json()["kind"] == "decode"

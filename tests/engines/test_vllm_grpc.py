@@ -161,7 +161,7 @@ async def test_auto_detection_waits_for_a_reachable_worker() -> None:
 
 
 @pytest.mark.parametrize(
-    ("url", "engine"), [("ftp://x:1", "auto"), ("grpc://nohost", "auto"), ("grpc://h:1", "trtllm")]
+    ("url", "engine"), [("ftp://x:1", "auto"), ("grpc://nohost", "auto"), ("grpc://h:1", "lmdeploy")]
 )
 def test_create_client_rejects_bad_urls_and_engines(url: str, engine: str) -> None:
     with pytest.raises(InvalidRequest):

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+from ..errors import InvalidRequest
 
 
 @dataclass(slots=True)
@@ -37,6 +39,9 @@ class SamplingOptions:
     regex: str | None = None
     structural_tag: str | None = None
     stream_interval: int | None = None
+    #: The request field a constraint came from ("tool_choice", "response_format", "text.format"),
+    #: named by the 400 when the engine cannot constrain.
+    constraint_param: str | None = None
 
 
 @dataclass(slots=True)
@@ -124,12 +129,79 @@ class ModelInfo:
         return merged
 
 
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What an engine protocol can do, declared by its client so the rest of the gateway never probes.
+
+    A request that needs something the engine cannot do is refused with a 400 naming the parameter
+    (`check_request`), never silently served without it.
+    """
+
+    #: "tokens": the engine takes rendered ids and returns ids (gRPC); "text": an OpenAI-compatible
+    #: server that tokenizes and parses itself (HTTP upstreams).
+    wire: Literal["tokens", "text"] = "tokens"
+    #: Text wire only: the OpenAI endpoint the upstream is told to use ("chat", "completions", "auto").
+    text_api: str = ""
+    #: Several choices per request (`n` > 1).
+    n: bool = True
+    #: Stop strings matched by the engine (Harmony stop strings are matched by the gateway anyway).
+    stop_strings: bool = True
+    #: Constrained decoding (structural tags, JSON schemas, regexes).
+    constraints: bool = True
+    #: Honours `SamplingOptions.stream_interval` per request (fewer, larger stream messages).
+    stream_interval: bool = False
+    #: Answers `server_info()` (PD bootstrap port, KV role).
+    server_info: bool = False
+    #: Answers `get_tokenizer()` (the engine's tokenizer files as a zip).
+    tokenizer: bool = False
+    #: The engine stops on EOS ids it was not sent; False means every stop id must be listed.
+    implicit_stops: bool = True
+
+    def check_request(self, request: GenerateRequest, engine: str) -> None:
+        """Raise InvalidRequest (400) naming the parameter the engine cannot honour."""
+        s = request.sampling
+        if s.n > 1 and not self.n:
+            raise InvalidRequest(
+                f"the {engine} engine serving this model cannot return n > 1 choices", param="n"
+            )
+        if s.stop and not self.stop_strings:
+            raise InvalidRequest(
+                f"the {engine} engine serving this model cannot stop on strings", param="stop"
+            )
+        if not self.constraints and (s.json_schema or s.regex or s.structural_tag):
+            raise InvalidRequest(
+                f"the {engine} engine serving this model has no constrained decoding, which "
+                f"{s.constraint_param or 'this request'} needs",
+                param=s.constraint_param or "response_format",
+            )
+
+
+#: What an `--engine auto` client reports before it knows the protocol: nothing beyond the basics.
+UNKNOWN_CAPABILITIES = EngineCapabilities(stop_strings=False, constraints=False, n=False)
+
+
 class EngineClient(Protocol):
     """One connection to one engine worker. Implementations reuse one channel for all requests."""
 
     url: str
 
+    @property
+    def engine(self) -> str:
+        """The protocol's name ("sglang", "vllm", "mlx", "trtllm", "tokenspeed", "http"; "auto" until known)."""
+        ...
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
     async def model_info(self, timeout: float = 10.0) -> ModelInfo: ...
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Only when `capabilities.server_info`."""
+        ...
+
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        """Only when `capabilities.tokenizer`: the tokenizer files as zip bytes, checked by SHA-256."""
+        ...
 
     async def health(self, timeout: float) -> bool: ...
 

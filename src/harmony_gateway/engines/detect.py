@@ -1,7 +1,7 @@
 """`--engine auto`: find out which gRPC protocol a worker speaks the first time it is probed.
 
-`DetectingGrpcClient` calls SGLang's `HealthCheck`; a server that answers UNIMPLEMENTED does not serve
-`sglang.grpc.scheduler.SglangScheduler`, so the vLLM client is used instead. Detection happens inside the
+`DetectingGrpcClient` calls each known protocol's `HealthCheck` in `DETECTION_ORDER`; a server that answers
+UNIMPLEMENTED does not serve that service, so the next protocol is tried. Detection happens inside the
 worker's first probe (`model_info` / `health`), on the event loop, bounded by the probe's timeout; until it
 succeeds the worker takes no traffic and later probes try again.
 """
@@ -15,32 +15,47 @@ from typing import Any
 import grpc
 
 from ..errors import UpstreamError, UpstreamUnavailable
-from .base import EngineChunk, EngineClient, GenerateRequest, ModelInfo
+from .base import UNKNOWN_CAPABILITIES, EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
+from .grpc_common import GrpcEngineClient
+from .mlx_grpc import MlxGrpcClient
 from .sglang_grpc import SglangGrpcClient
+from .tokenspeed_grpc import TokenSpeedGrpcClient
+from .trtllm_grpc import TrtllmGrpcClient
 from .vllm_grpc import VllmGrpcClient
 
+#: The protocols `auto` tries, most common first; each costs one HealthCheck round trip to rule out.
+DETECTION_ORDER: tuple[type[GrpcEngineClient], ...] = (
+    SglangGrpcClient,
+    VllmGrpcClient,
+    MlxGrpcClient,
+    TrtllmGrpcClient,
+    TokenSpeedGrpcClient,
+)
 
-async def detect_engine(
-    url: str, timeout: float, *, request_timeout: float
-) -> SglangGrpcClient | VllmGrpcClient:
+
+async def detect_engine(url: str, timeout: float, *, request_timeout: float) -> GrpcEngineClient:
     """Return a client for the protocol the worker at `url` speaks.
 
-    Raises `errors.Upstream*` when the worker cannot be reached (nothing is decided then).
+    Raises `errors.Upstream*` when the worker cannot be reached or speaks none of them (nothing is
+    decided then).
     """
-    sglang = SglangGrpcClient(url, request_timeout=request_timeout)
-    try:
-        await sglang.health(timeout)
-    except UpstreamError as exc:
-        await sglang.close()
-        cause = exc.__cause__
-        if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return VllmGrpcClient(url, request_timeout=request_timeout)
-        raise
-    return sglang
+    for cls in DETECTION_ORDER:
+        client = cls(url, request_timeout=request_timeout)
+        try:
+            await client.health(timeout)
+        except UpstreamError as exc:
+            await client.close()
+            cause = exc.__cause__
+            if isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.UNIMPLEMENTED:
+                continue
+            raise
+        return client
+    names = ", ".join(cls.engine for cls in DETECTION_ORDER)
+    raise UpstreamError(f"the worker at {url} speaks none of the engine protocols ({names})")
 
 
 class DetectingGrpcClient:
-    """An `EngineClient` that picks SGLang or vLLM on first use and then delegates to it.
+    """An `EngineClient` that picks its protocol on first use and then delegates to it.
 
     `engine` reads "auto" until detection succeeded, then the detected engine's name. `generate` hands out
     the detected client's own iterator, so streaming costs nothing extra.
@@ -50,14 +65,18 @@ class DetectingGrpcClient:
         self.url = url
         self.engine = "auto"
         self._request_timeout = request_timeout
-        self._inner: SglangGrpcClient | VllmGrpcClient | None = None
+        self._inner: GrpcEngineClient | None = None
         self._lock = asyncio.Lock()
 
     @property
-    def detected(self) -> EngineClient | None:
+    def detected(self) -> GrpcEngineClient | None:
         return self._inner
 
-    async def resolve(self, timeout: float = 10.0) -> SglangGrpcClient | VllmGrpcClient:
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return UNKNOWN_CAPABILITIES if self._inner is None else self._inner.capabilities
+
+    async def resolve(self, timeout: float = 10.0) -> GrpcEngineClient:
         if self._inner is None:
             async with self._lock:
                 if self._inner is None:
@@ -69,18 +88,19 @@ class DetectingGrpcClient:
         return await (await self.resolve(timeout)).model_info(timeout=timeout)
 
     async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
-        return await (await self.resolve(timeout)).server_info(timeout=timeout)
+        inner = await self.resolve(timeout)
+        if not inner.capabilities.server_info:
+            raise UpstreamError(f"the {inner.engine} engine at {self.url} has no server info")
+        return await inner.server_info(timeout=timeout)
 
     async def health(self, timeout: float) -> bool:
         return await (await self.resolve(timeout)).health(timeout)
 
     async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
         inner = await self.resolve(timeout)
-        fetch = getattr(inner, "get_tokenizer", None)
-        if fetch is None:
+        if not inner.capabilities.tokenizer:
             raise UpstreamError(f"the {inner.engine} engine at {self.url} cannot send its tokenizer")
-        data: bytes = await fetch(timeout=timeout)
-        return data
+        return await inner.get_tokenizer(timeout=timeout)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._inner is None:

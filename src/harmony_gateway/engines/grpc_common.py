@@ -8,13 +8,16 @@ normalisation stay in each engine module, so `pipeline/` sees one shape.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import AsyncGenerator, Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
+from smg_grpc_proto.generated import common_pb2
 
-from .base import ModelInfo, SamplingOptions, TokenLogprob
+from ..errors import InvalidRequest, UpstreamError
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, SamplingOptions, TokenLogprob
 from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
@@ -70,9 +73,12 @@ def set_constraint(params: Any, sampling: SamplingOptions) -> None:
 class GrpcEngineClient:
     """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`.
 
-    A subclass names its wire in `_pb` (the generated `*_pb2` module) and `_stub_type` (its stub class).
+    A subclass names its wire in `_pb` (the generated `*_pb2` module) and `_stub_type` (its stub class),
+    and declares what its engine can do in `capabilities`.
     """
 
+    engine: ClassVar[str]
+    capabilities: ClassVar[EngineCapabilities]
     # Set once per subclass; not declared ClassVar, which would make mypy bind the stub class as a method
     # and reject the plain `_pb = module` assignments of the subclasses.
     _pb: ModuleType
@@ -83,10 +89,57 @@ class GrpcEngineClient:
         self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
         self._stub = self._stub_type(self._channel)
         self._request_timeout = request_timeout
+        #: Learned from GetModelInfo: ids at or above it never reach the engine (0: unknown).
+        self.vocab_size = 0
+        self.eos_token_ids: list[int] = []
+        #: `max_tokens` for a request without a budget, on wires where unset means "the whole context".
+        self.default_max_tokens = 4096
+
+    def check(self, request: GenerateRequest) -> None:
+        """Refuse, before anything is sent, what the engine cannot do or must never see: a 400 naming the
+        parameter. Some engines spin on an empty prompt or index past their embedding table."""
+        ids = request.input_ids
+        if not ids:
+            raise InvalidRequest("the prompt is empty: the engine needs at least one token", param="prompt")
+        if self.vocab_size and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequest(
+                f"token id {bad} is outside the model's vocabulary (0 to {self.vocab_size - 1})",
+                param="prompt",
+            )
+        self.capabilities.check_request(request, self.engine)
+
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        """The engine's tokenizer files as zip bytes (GetTokenizer streams them in chunks; the last
+        carries the SHA-256). Raises UpstreamError on a digest mismatch or an empty answer."""
+        parts: list[bytes] = []
+        digest = ""
+        with map_grpc_errors(self.url):
+            async for chunk in self._stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout):
+                parts.append(chunk.data)
+                digest = chunk.sha256 or digest
+        data = b"".join(parts)
+        if not data:
+            raise UpstreamError(f"engine at {self.url} sent an empty tokenizer")
+        if digest and hashlib.sha256(data).hexdigest() != digest.lower():
+            raise UpstreamError(f"the tokenizer sent by {self.url} does not match its SHA-256")
+        return data
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        raise NotImplementedError  # each engine module normalises its own stream
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        raise NotImplementedError
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Overridden by engines whose `capabilities.server_info` is set."""
+        raise UpstreamError(f"the {self.engine} engine at {self.url} has no server info")
 
     async def model_info(self, timeout: float = 10.0) -> ModelInfo:
         with map_grpc_errors(self.url):
             info = await self._stub.GetModelInfo(self._pb.GetModelInfoRequest(), timeout=timeout)
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = list(info.eos_token_ids)
         return ModelInfo(
             served_model_name=info.served_model_name or info.model_path,
             model_type=info.model_type,

@@ -38,7 +38,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .base import EngineChunk, GenerateRequest, ModelInfo
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -131,6 +131,9 @@ class HttpUpstreamClient:
             raise InvalidRequest(f"api={api!r} in {url!r}: expected one of {', '.join(APIS)}", param="url")
         self.url = url
         self.api = api
+        #: Text mode: the pipeline sends `upstream_body` and reads text; the upstream does its own
+        #: stops, constraints and tokenization, so nothing else is declared.
+        self.capabilities = EngineCapabilities(wire="text", text_api=api)
         #: `?model=NAME` picks one of several models the server lists.
         models = query.get("model")
         self.model_name: str | None = models[0] if models else None
@@ -184,6 +187,14 @@ class HttpUpstreamClient:
             self._health_path = path
             return response.status_code == 200
         return False
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Not declared (`capabilities.server_info` is False): an OpenAI server has no such endpoint."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} has no server info")
+
+    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
+        """Not declared (`capabilities.tokenizer` is False): the upstream tokenizes itself."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} cannot send its tokenizer")
 
     async def abort(self, request_id: str) -> None:
         """Nothing to send: closing the response stream aborts the upstream request."""

@@ -6,21 +6,28 @@ from ..errors import InvalidRequest
 from .base import EngineClient
 from .detect import DetectingGrpcClient
 from .http_upstream import HttpUpstreamClient
+from .mlx_grpc import MlxGrpcClient
 from .sglang_grpc import SglangGrpcClient
+from .tokenspeed_grpc import TokenSpeedGrpcClient
+from .trtllm_grpc import TrtllmGrpcClient
 from .vllm_grpc import VllmGrpcClient
 
 GRPC_ENGINES: dict[str, type[EngineClient]] = {
     "sglang": SglangGrpcClient,
     "vllm": VllmGrpcClient,
+    "mlx": MlxGrpcClient,
+    "trtllm": TrtllmGrpcClient,
+    "tokenspeed": TokenSpeedGrpcClient,
     "auto": DetectingGrpcClient,
 }
 
 
 def create_client(url: str, engine: str = "auto", *, request_timeout: float = 1800.0) -> EngineClient:
-    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: sglang, vllm, or auto);
+    """`grpc://host:port` speaks an engine's gRPC protocol (`engine`: a name in `GRPC_ENGINES`);
     `http(s)://host:port[?model=NAME&api=chat|completions]` an OpenAI-compatible HTTP server.
 
-    `auto` decides on the worker's first probe: SGLang unless its HealthCheck is UNIMPLEMENTED, then vLLM.
+    `auto` decides on the worker's first probe: the first protocol whose HealthCheck is implemented
+    (`detect.DETECTION_ORDER`).
     Raises InvalidRequest for an unknown engine or URL scheme; connects lazily (no I/O here).
     """
     if url.startswith(("grpc://", "grpcs://")):

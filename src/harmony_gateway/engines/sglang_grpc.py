@@ -8,19 +8,16 @@ that sets one is served unseeded, with a warning logged once per process.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
-from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from ..errors import UpstreamError
-from .base import EngineChunk, GenerateRequest, ModelInfo
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
 from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
@@ -41,6 +38,7 @@ class SglangGrpcClient(GrpcEngineClient):
     """One channel per worker, reused by every request."""
 
     engine = "sglang"
+    capabilities = EngineCapabilities(stream_interval=True, server_info=True, tokenizer=True)
     _pb = pb
     _stub_type = pb_grpc.SglangSchedulerStub
 
@@ -54,22 +52,6 @@ class SglangGrpcClient(GrpcEngineClient):
         with map_grpc_errors(self.url):
             info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
         return json_format.MessageToDict(info.server_args) if info.HasField("server_args") else {}
-
-    async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
-        """The engine's tokenizer files as zip bytes (GetTokenizer streams them in chunks; the last
-        carries the SHA-256). Raises UpstreamError on a digest mismatch or an empty answer."""
-        parts: list[bytes] = []
-        digest = ""
-        with map_grpc_errors(self.url):
-            async for chunk in self._stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout):
-                parts.append(chunk.data)
-                digest = chunk.sha256 or digest
-        data = b"".join(parts)
-        if not data:
-            raise UpstreamError(f"engine at {self.url} sent an empty tokenizer")
-        if digest and hashlib.sha256(data).hexdigest() != digest.lower():
-            raise UpstreamError(f"the tokenizer sent by {self.url} does not match its SHA-256")
-        return data
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         with map_grpc_errors(self.url):
@@ -123,6 +105,7 @@ class SglangGrpcClient(GrpcEngineClient):
         return message
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        self.check(request)
         call = self._stub.Generate(
             self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
         )

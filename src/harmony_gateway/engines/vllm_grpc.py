@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .base import BootstrapInfo, EngineChunk, GenerateRequest
+from .base import BootstrapInfo, EngineCapabilities, EngineChunk, GenerateRequest
 from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
@@ -64,6 +64,8 @@ class VllmGrpcClient(GrpcEngineClient):
     """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`."""
 
     engine = "vllm"
+    #: vLLM's proto has no per-request stream interval.
+    capabilities = EngineCapabilities(server_info=True, tokenizer=True)
     _pb = pb
     _stub_type = pb_grpc.VllmEngineStub
 
@@ -134,6 +136,7 @@ class VllmGrpcClient(GrpcEngineClient):
         return self.kv_role or ""
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        self.check(request)
         kv_role = await self._kv_role() if request.bootstrap is not None else ""
         call = self._stub.Generate(
             self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata()

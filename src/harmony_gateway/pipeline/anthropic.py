@@ -503,6 +503,7 @@ async def prepare_messages(
     sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
     if request.tool_choice is not None and request.tool_choice.type in ("any", "tool"):
         sampling.structural_tag = tool_call_constraint(tools)
+        sampling.constraint_param = "tool_choice"
     prepared = PreparedRequest(
         group=group,
         input_ids=input_ids,

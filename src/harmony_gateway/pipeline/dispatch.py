@@ -131,7 +131,11 @@ async def dispatch(
             bootstrap=bootstrap,
             input_ids=input_ids,
             stream_interval=(
-                tuner.interval_for(worker) if settings.stream_interval == 0 else settings.stream_interval
+                None
+                if not worker.client.capabilities.stream_interval
+                else tuner.interval_for(worker)
+                if settings.stream_interval == 0
+                else settings.stream_interval
             ),
         )
         yielded = False

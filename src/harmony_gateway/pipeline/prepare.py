@@ -416,6 +416,7 @@ async def prepare_chat(
     sampling.structural_tag = output_constraint(
         tools if forces_tool_call(request.tool_choice) else (), response_format
     )
+    sampling.constraint_param = "tool_choice" if forces_tool_call(request.tool_choice) else "response_format"
     return PreparedRequest(
         group=group,
         input_ids=input_ids,

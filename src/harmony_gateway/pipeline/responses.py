@@ -407,6 +407,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         sampling.structural_tag = output_constraint(
             tools if forces_tool_call(req.tool_choice) else (), response_format
         )
+        sampling.constraint_param = "tool_choice" if forces_tool_call(req.tool_choice) else "text.format"
         prepared = PreparedRequest(
             group=group,
             input_ids=[],

@@ -32,7 +32,7 @@ _GATEWAY_FIELDS = frozenset(
 
 def is_text_group(group: ModelGroup) -> bool:
     """True when the model is served by text-mode (HTTP) workers."""
-    return any(getattr(w.client, "wire", None) == "text" for w in group.workers)
+    return any(w.client.capabilities.wire == "text" for w in group.workers)
 
 
 def require_token_engine(group: ModelGroup, route: str, instead: str) -> None:
@@ -47,9 +47,7 @@ def require_token_engine(group: ModelGroup, route: str, instead: str) -> None:
 
 
 def _apis(group: ModelGroup) -> set[str]:
-    return {
-        getattr(w.client, "api", "auto") for w in group.workers if getattr(w.client, "wire", None) == "text"
-    }
+    return {w.client.capabilities.text_api for w in group.workers if w.client.capabilities.wire == "text"}
 
 
 def chat_body(request: ChatCompletionRequest) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import io
 import json
 import os
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,11 +143,10 @@ async def _load(state: GatewayState, group: Any) -> ModelTokenizer:
         return await anyio.to_thread.run_sync(load_folder, reported)
     errors = []
     for worker in group.workers:
-        fetch: Callable[..., Any] | None = getattr(worker.client, "get_tokenizer", None)
-        if fetch is None:
+        if not worker.client.capabilities.tokenizer:
             continue
         try:
-            data = await fetch(timeout=state.settings.timeouts.connect * 6)
+            data = await worker.client.get_tokenizer(timeout=state.settings.timeouts.connect * 6)
         except UpstreamError as exc:
             errors.append(exc.message)
             continue

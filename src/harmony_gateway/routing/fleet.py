@@ -77,7 +77,7 @@ class Fleet:
             if existing.url == url and existing.kind is kind:
                 raise Conflict(f"worker {url} ({kind.value}) is already registered", param="url")
         client = self._client_factory(url, engine)
-        worker = Worker(url=url, client=client, kind=kind, engine=getattr(client, "engine", engine))
+        worker = Worker(url=url, client=client, kind=kind, engine=client.engine)
         self.workers[worker.id] = worker
         return worker
 
@@ -87,7 +87,7 @@ class Fleet:
             if worker.model_info is None:
                 worker.model_info = await worker.client.model_info(timeout=self._connect_timeout)
                 # `--engine auto` clients know their protocol after the first call.
-                worker.engine = getattr(worker.client, "engine", worker.engine)
+                worker.engine = worker.client.engine
                 self._attach(worker)
             healthy = await worker.client.health(self._health_timeout)
         except GatewayError as exc:

@@ -33,7 +33,7 @@ HARMONY_EOS_IDS: tuple[int, ...] = (200002, 199999, 200012)
 PREFIX_PAGE = 16
 _FAKE_VOCAB = 199998
 
-EngineKind = Literal["sglang", "vllm"]
+EngineKind = Literal["sglang", "vllm", "mlx", "trtllm", "tokenspeed"]
 Mode = Literal["regular", "prefill", "decode"]
 
 
@@ -551,14 +551,29 @@ class RunningSim:
         await self.stop()
 
 
+def _protocols() -> dict[str, Any]:
+    """Engine name → the module of its servicer (`SERVICE_NAME`, the servicer class, `add_to_server`)."""
+    from . import mlx_server, sglang_server, tokenspeed_server, trtllm_server, vllm_server
+
+    return {
+        "sglang": (sglang_server, sglang_server.SimSglangScheduler),
+        "vllm": (vllm_server, vllm_server.SimVllmEngine),
+        "mlx": (mlx_server, mlx_server.SimMlxEngine),
+        "trtllm": (trtllm_server, trtllm_server.SimTrtllmService),
+        "tokenspeed": (tokenspeed_server, tokenspeed_server.SimTokenSpeedScheduler),
+    }
+
+
 def _service_name(engine: EngineKind) -> str:
-    return "sglang.grpc.scheduler.SglangScheduler" if engine == "sglang" else "vllm.grpc.engine.VllmEngine"
+    name: str = _protocols()[engine][0].SERVICE_NAME
+    return name
 
 
 async def start_sim_engine(config: SimConfig) -> RunningSim:
     """Bind and start the simulated engine; raises OSError when the port cannot be bound."""
-    from . import sglang_server, vllm_server
-
+    protocols = _protocols()
+    if config.engine not in protocols:
+        raise ValueError(f"unknown engine {config.engine!r}; expected one of {', '.join(protocols)}")
     core = SimCore(config)
     server = grpc.aio.server(
         options=[
@@ -568,12 +583,8 @@ async def start_sim_engine(config: SimConfig) -> RunningSim:
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ]
     )
-    if config.engine == "sglang":
-        sglang_server.add_to_server(sglang_server.SimSglangScheduler(core), server)
-    elif config.engine == "vllm":
-        vllm_server.add_to_server(vllm_server.SimVllmEngine(core), server)
-    else:
-        raise ValueError(f"unknown engine {config.engine!r}; expected 'sglang' or 'vllm'")
+    module, servicer = protocols[config.engine]
+    module.add_to_server(servicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

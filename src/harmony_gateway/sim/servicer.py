@@ -8,12 +8,17 @@ and `model_info_fields` build the parts of the answers whose fields both protoco
 
 from __future__ import annotations
 
+import hashlib
+import io
+import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from smg_grpc_proto.generated import common_pb2
 
 from .server import PromptRejected, SimulatedFailure, fake_logprob, fake_top_logprobs
 
@@ -80,6 +85,38 @@ def model_info_fields(config: SimConfig) -> dict[str, Any]:
     }
 
 
+#: GetTokenizer chunk size; small, so that even a test tokenizer arrives in several chunks.
+TOKENIZER_CHUNK = 16 * 1024
+
+
+def zip_folder(folder: str) -> bytes:
+    """The files of a folder (not sub-folders) as a zip archive."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path in sorted(Path(folder).iterdir()):
+            if path.is_file():
+                archive.write(path, path.name)
+    return buffer.getvalue()
+
+
+async def tokenizer_chunks(
+    core: SimCore, context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+    """GetTokenizer of every protocol: the tokenizer folder as a zip in `TOKENIZER_CHUNK`-byte chunks,
+    the SHA-256 on the last (`smg.grpc.common.GetTokenizerChunk`)."""
+    folder = core.config.tokenizer_path
+    if not folder:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this simulated model has no tokenizer")
+        return
+    data = zip_folder(folder)
+    digest = hashlib.sha256(data).hexdigest()
+    for start in range(0, len(data), TOKENIZER_CHUNK):
+        last = start + TOKENIZER_CHUNK >= len(data)
+        yield common_pb2.GetTokenizerChunk(
+            data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
+        )
+
+
 class SimServicer:
     """Base of the protocol servicers: holds the `SimCore`."""
 
@@ -90,4 +127,13 @@ class SimServicer:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
 
 
-__all__ = ["SimServicer", "admitted", "fake_output_logprobs", "model_info_fields", "wait_prefill"]
+__all__ = [
+    "TOKENIZER_CHUNK",
+    "SimServicer",
+    "admitted",
+    "fake_output_logprobs",
+    "model_info_fields",
+    "tokenizer_chunks",
+    "wait_prefill",
+    "zip_folder",
+]

@@ -8,13 +8,9 @@ are gRPC status codes (INVALID_ARGUMENT for a bad request). Behaviour beyond the
 
 from __future__ import annotations
 
-import hashlib
-import io
 import time
-import zipfile
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -31,14 +27,19 @@ from .server import (
     chunk_spans,
     serialize_response,
 )
-from .servicer import SimServicer, admitted, fake_output_logprobs, model_info_fields, wait_prefill
+from .servicer import (
+    SimServicer,
+    admitted,
+    fake_output_logprobs,
+    model_info_fields,
+    tokenizer_chunks,
+    wait_prefill,
+)
 
 if TYPE_CHECKING:
     from .server import Run
 
 SERVICE_NAME = "sglang.grpc.scheduler.SglangScheduler"
-#: GetTokenizer chunk size; small, so that even a test tokenizer arrives in several chunks.
-TOKENIZER_CHUNK = 16 * 1024
 _VERSION = "sim-0.1"
 
 
@@ -288,17 +289,8 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        """The tokenizer folder as a zip in `TOKENIZER_CHUNK`-byte chunks, the SHA-256 on the last."""
-        folder = self._core.config.tokenizer_path
-        if not folder:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this simulated model has no tokenizer")
-        data = zip_folder(folder)
-        digest = hashlib.sha256(data).hexdigest()
-        for start in range(0, len(data), TOKENIZER_CHUNK):
-            last = start + TOKENIZER_CHUNK >= len(data)
-            yield common_pb2.GetTokenizerChunk(
-                data=data[start : start + TOKENIZER_CHUNK], sha256=digest if last else ""
-            )
+        async for chunk in tokenizer_chunks(self._core, context):
+            yield chunk
 
     _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
@@ -309,16 +301,6 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
     LoadLoRAAdapter = _unimplemented
     UnloadLoRAAdapter = _unimplemented
     ListLoadedLoRAAdapters = _unimplemented
-
-
-def zip_folder(folder: str) -> bytes:
-    """The files of a folder (not sub-folders) as a zip archive."""
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for path in sorted(Path(folder).iterdir()):
-            if path.is_file():
-                archive.write(path, path.name)
-    return buffer.getvalue()
 
 
 def _varint(value: int) -> bytes:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -32,7 +33,14 @@ from .server import (
     ReceivedRequest,
     parse_kv_transfer_params,
 )
-from .servicer import SimServicer, admitted, fake_output_logprobs, model_info_fields, wait_prefill
+from .servicer import (
+    SimServicer,
+    admitted,
+    fake_output_logprobs,
+    model_info_fields,
+    tokenizer_chunks,
+    wait_prefill,
+)
 
 if TYPE_CHECKING:
     from .server import Run
@@ -235,12 +243,17 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
             timestamp=datetime.now(UTC).isoformat(), version=_VERSION, dp_rank_count=1, loads=[load]
         )
 
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for chunk in tokenizer_chunks(self._core, context):
+            yield chunk
+
     _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
     FlushCache = _unimplemented
     StartProfile = _unimplemented
     StopProfile = _unimplemented
-    GetTokenizer = _unimplemented
     SubscribeKvEvents = _unimplemented
 
 

@@ -1,0 +1,153 @@
+"""Engine client for the MLX engine gRPC service (`mlx.grpc.engine.MlxEngine`, smg-grpc-servicer's MLX
+servicer on Apple silicon or a CPU).
+
+The MLX wire is its own service with its own field numbers, and far narrower than SGLang's: no `n`, no
+stop strings, no constrained decoding, no per-request stream interval, no PD, no GetLoads. The client
+declares that in its capabilities, so a request that needs any of it is a 400 naming the parameter.
+
+What the wire needs, always sent: the stop ids (only `eos_token_id` stops otherwise, and gpt-oss's tool
+calls end on `<|call|>`), an explicit temperature (unset means 1.0) and an explicit `max_tokens` (unset
+means the whole context).
+
+Normalised into `EngineChunk`s:
+
+| wire                                   | MLX                                  | EngineChunk                       |
+|----------------------------------------|--------------------------------------|-----------------------------------|
+| stream `GenerateStreamChunk`           | one new token, running counts        | `token_ids` as-is                 |
+| stream `GenerateComplete.output_ids`   | empty                                | finish reason, counts, matched id |
+| non-stream `GenerateComplete`          | every id, total count                | one finished chunk with all ids   |
+| `matched_stop_token_id` (optional)     | the stop token, also in the ids      | `matched_stop_token`              |
+| RPC ends OK without a Complete         | the request was aborted              | `UpstreamError` (never a hang or an empty answer) |
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+
+import grpc
+from smg_grpc_proto.generated import mlx_engine_pb2 as pb
+from smg_grpc_proto.generated import mlx_engine_pb2_grpc as pb_grpc
+
+from ..errors import UpstreamError
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
+from .grpc_common import GrpcEngineClient, token_logprobs
+from .grpc_errors import map_grpc_errors, translate_rpc_error
+
+CAPABILITIES = EngineCapabilities(
+    n=False,
+    stop_strings=False,
+    constraints=False,
+    stream_interval=False,
+    server_info=True,
+    tokenizer=True,
+    implicit_stops=False,
+)
+
+
+class MlxGrpcClient(GrpcEngineClient):
+    """One channel per worker, reused by every request. Errors surface as `errors.Upstream*`."""
+
+    engine = "mlx"
+    capabilities = CAPABILITIES
+    _pb = pb
+    _stub_type = pb_grpc.MlxEngineStub
+
+    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = list(info.eos_token_ids)
+        return ModelInfo(
+            served_model_name=info.served_model_name or info.model_path,
+            model_type=info.model_type,
+            architectures=list(info.architectures),
+            max_context_length=info.max_context_length,
+            eos_token_ids=list(info.eos_token_ids),
+        )
+
+    async def server_info(self, timeout: float = 10.0) -> dict[str, object]:
+        with map_grpc_errors(self.url):
+            info = await self._stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        return {
+            "server_type": info.server_type,
+            "active_requests": info.active_requests,
+            "uptime_seconds": info.uptime_seconds,
+        }
+
+    async def abort(self, request_id: str, timeout: float = 2.0) -> None:
+        with map_grpc_errors(self.url):
+            await self._stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=timeout)
+
+    def to_proto(self, request: GenerateRequest) -> pb.GenerateRequest:
+        s = request.sampling
+        # Only the model's eos_token_id stops by default: list every id the caller stops on, plus the
+        # model's own EOS ids (a caller's list replaces nothing on this wire, it only adds).
+        stops = list(dict.fromkeys([*s.stop_token_ids, *([] if s.ignore_eos else self.eos_token_ids)]))
+        params = pb.SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=max(s.top_k, 0),  # uint32 on this wire: 0 disables top-k
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            stop_token_ids=stops,
+            ignore_eos=s.ignore_eos,
+        )
+        # Unset means "the rest of the context" on this wire; the gateway always knows the budget.
+        params.max_tokens = s.max_new_tokens if s.max_new_tokens is not None else self.default_max_tokens
+        if s.seed is not None:
+            params.seed = ((s.seed + 2**31) % 2**32) - 2**31  # int32 on this wire
+        if request.return_logprob:
+            params.logprobs = request.top_logprobs_num
+        return pb.GenerateRequest(
+            request_id=request.request_id,
+            tokenized=pb.TokenizedInput(original_text=request.original_text, input_ids=request.input_ids),
+            sampling_params=params,
+            stream=request.stream,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        self.check(request)
+        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        stream = request.stream
+        want_logprobs = request.return_logprob
+        completed = False
+        try:
+            async for reply in call:
+                which = reply.WhichOneof("response")
+                if which == "chunk":
+                    c = reply.chunk
+                    yield EngineChunk(
+                        c.index,
+                        list(c.token_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        token_logprobs(c.output_logprobs) if want_logprobs else None,
+                    )
+                elif which == "complete":
+                    c = reply.complete
+                    completed = True
+                    yield EngineChunk(
+                        c.index,
+                        [] if stream else list(c.output_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
+                        True,
+                        c.finish_reason or "stop",
+                        c.matched_stop_token_id if c.HasField("matched_stop_token_id") else None,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            raise translate_rpc_error(exc, self.url) from exc
+        finally:
+            if not call.done():
+                call.cancel()
+        if not completed:
+            # The MLX servicer ends an aborted request's RPC with status OK and no Complete.
+            raise UpstreamError(f"engine at {self.url} ended the request without finishing it (aborted)")
+
+
+__all__ = ["CAPABILITIES", "MlxGrpcClient"]
