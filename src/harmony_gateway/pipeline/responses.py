@@ -53,7 +53,7 @@ from ..mcp.tool_loop import (
     open_tool_loop,
     parse_gateway_tools,
 )
-from ..storage.base import StoredResponse
+from ..storage.base import MAX_CONVERSATION_ITEMS, StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
@@ -306,6 +306,12 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         found = await store.all_conversation_items(conversation_id, ctx.owner)
         if found is None:
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
+        if len(found) + len(items) > MAX_CONVERSATION_ITEMS:
+            raise InvalidRequest(
+                f"conversation {conversation_id!r} holds {len(found)} items; a conversation holds at most "
+                f"{MAX_CONVERSATION_ITEMS}: start a new one",
+                param="conversation",
+            )
         conversation_items = found
         known_items.extend(found)
     call_names = call_names_of([*known_items, *items])
