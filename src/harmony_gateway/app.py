@@ -18,6 +18,7 @@ from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
+from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router
@@ -168,6 +169,9 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
         title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
     )
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(
+        RequestGuardMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout
+    )
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)
