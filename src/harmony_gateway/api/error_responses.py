@@ -19,7 +19,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from ..errors import GatewayError, InvalidRequest, NoHealthyWorker, RateLimited, UpstreamUnavailable
+from ..errors import (
+    GatewayError,
+    InvalidRequest,
+    NoHealthyWorker,
+    PayloadTooLarge,
+    RateLimited,
+    RequestTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,8 @@ def gateway_error_response(request: Request, exc: GatewayError) -> Response:
         headers["retry-after"] = "1"
     if exc.status_code < 500 or exc.status_code == 501:
         headers["x-should-retry"] = "false"
+    if isinstance(exc, (RequestTimeout, PayloadTooLarge)):
+        headers["connection"] = "close"  # the rest of the body may still be on the wire
     if exc.status_code >= 500:
         log.warning("request %s failed: %s", request_id_of(request), exc.message)
     return error_response(request, exc.status_code, exc.to_dict(), headers)

@@ -5,8 +5,9 @@ uvicorn closes an idle keep-alive connection after `timeout_keep_alive`, but a c
 finishes its request head (a slowloris client, one header byte a second, or a socket opened and left
 silent) is held forever, and httptools accepts headers of any size and number. Here:
 
-- the head of each request (request line and headers) must arrive within `header_timeout` seconds of its
-  connection opening or of the previous response; past that the gateway answers 408, as nginx's
+- the head of a request (request line and headers) must arrive within `header_timeout` seconds of the
+  connection opening, or of its first byte on a kept-alive connection (between requests uvicorn's
+  keep-alive timeout closes an idle connection); past that the gateway answers 408, as nginx's
   `client_header_timeout` does, and closes the connection;
 - more than `max_header_bytes` of header names and values, or more than `max_headers` headers, is
   answered 431 and the connection closed.
@@ -81,13 +82,6 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm_head_timer()
         super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # The next request's head is due within header_timeout, like the first one's; an idle keep-alive
-        # connection is closed sooner by uvicorn's own keep-alive timeout.
-        if not self.transport.is_closing():
-            self._arm_head_timer()
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
