@@ -19,6 +19,7 @@ from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
+from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router
@@ -189,7 +190,10 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.state.traffic = control
     # Inside the request-id middleware: refusals carry the id too.
     app.add_middleware(TrafficMiddleware, control=control)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(
+        RequestGuardMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout
+    )
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(responses_router)

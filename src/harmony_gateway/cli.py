@@ -110,6 +110,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         balance_rel_threshold=args.balance_rel_threshold,
         bootstrap_port=args.bootstrap_port,
         processes=args.workers,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        max_connections=args.max_connections,
         max_retries=args.max_retries,
         stream_interval=_stream_interval(args.stream_interval),
         health_interval=args.health_interval,
@@ -491,6 +498,57 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="gateway processes sharing the port (default 1); each has its own worker health state, "
         "storage connections and /metrics; needs sqlite or postgresql storage when N > 1",
     )
+    limits = p.add_argument_group("connection and request limits (see README, Limits)")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 before they are read (default 8 MiB)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a client has to send a request's head (request line and headers); then 408 (default 10)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds the gateway waits for each piece of a request body; then 408 (default 30)",
+    )
+    limits.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        metavar="N",
+        help="largest total size of a request's header names and values; above it 431 (default 64 KiB)",
+    )
+    limits.add_argument(
+        "--max-headers",
+        type=int,
+        default=128,
+        metavar="N",
+        help="most headers one request may carry; above it 431 (default 128)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections above which new requests get 503 (default: no cap but the open-file "
+        "limit, which start-up raises to its hard maximum)",
+    )
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
@@ -602,6 +660,7 @@ Press Ctrl+C to stop.
 async def _serve(settings: Settings, demo: bool) -> None:
     import uvicorn
 
+    from .api.http_protocol import raise_open_file_limit, server_options
     from .app import create_app
     from .traffic.drain import DrainingServer
 
@@ -612,6 +671,7 @@ async def _serve(settings: Settings, demo: bool) -> None:
         sim = await start_sim_engine(SimConfig(host="127.0.0.1", port=0, tokens_per_second=200.0))
         settings = _with_workers(settings, (sim.url,))
     app = create_app(settings)
+    raise_open_file_limit()
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -620,6 +680,7 @@ async def _serve(settings: Settings, demo: bool) -> None:
         access_log=False,
         lifespan="on",
         log_config=None,
+        **server_options(settings),
     )
     server = DrainingServer(config)
     if sim is not None:  # demo mode
@@ -827,7 +888,10 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
 
     import uvicorn
 
+    from .api.http_protocol import raise_open_file_limit, server_options
+
     os.environ[_ARGV_ENV] = json.dumps(argv)
+    raise_open_file_limit()  # the spawned processes inherit it
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # /metrics must add up every process's counters, whichever process answers the scrape.
         import tempfile
@@ -855,6 +919,7 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         access_log=False,
         lifespan="on",
         log_config=None,
+        **server_options(settings),
     )
 
 

@@ -5,7 +5,9 @@
     ├── AuthenticationFailed      401
     ├── NotFound                  404
     │   └── ModelNotFound         404  code model_not_found
+    ├── RequestTimeout            408  (the client sent its body too slowly)
     ├── Conflict                  409
+    ├── PayloadTooLarge           413
     ├── RateLimited               429  (a key's budget, or admission's queue full / timed out; retry_after)
     ├── Overloaded                503  (the gateway is draining; retry_after)
     ├── NoHealthyWorker           503
@@ -73,6 +75,22 @@ class Conflict(GatewayError):
 
     status_code = 409
     error_type = "invalid_request_error"
+
+
+class RequestTimeout(GatewayError):
+    """Raised when a client sends its request body too slowly (nginx's client_body_timeout)."""
+
+    status_code = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class PayloadTooLarge(GatewayError):
+    """Raised when a request body is larger than `--max-body-bytes`."""
+
+    status_code = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
 
 
 class RateLimited(GatewayError):

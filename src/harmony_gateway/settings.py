@@ -115,6 +115,18 @@ class Settings:
     drain_timeout: float = 30.0
     #: OTLP/HTTP collector base URL (http://host:4318); None: tracing off.
     otlp_endpoint: str | None = None
+    #: Connection and request-size limits (README "Limits"): a body over `max_body_bytes` is a 413
+    #: before it is parsed; a request head slower than `header_timeout` or a body piece slower than
+    #: `body_timeout` is a 408; bigger or more headers than these are a 431; an idle keep-alive
+    #: connection closes after `keep_alive_timeout`; past `max_connections` open connections new
+    #: requests get 503 (None: no cap besides the open-file limit, which start-up raises to its maximum).
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 128
+    keep_alive_timeout: float = 5.0
+    max_connections: int | None = None
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""

@@ -465,6 +465,18 @@ async def test_delete_conversation_item(store: Store) -> None:
     assert added is not None and added[0].position == 3
 
 
+async def test_count_conversation_items(store: Store) -> None:
+    conv = conversation()
+    initial = items(3)
+    await store.create_conversation(conv, initial)
+    assert await store.count_conversation_items(conv.id, ALICE) == 3
+    await store.delete_conversation_item(conv.id, initial[0]["id"], ALICE)
+    await store.add_conversation_items(conv.id, ALICE, items(2))
+    assert await store.count_conversation_items(conv.id, ALICE) == 4
+    assert await store.count_conversation_items(conv.id, BOB) is None  # another owner's: not visible
+    assert await store.count_conversation_items(rid("conv"), ALICE) is None
+
+
 async def test_item_ids_are_required_and_unique(store: Store) -> None:
     conv = conversation()
     with pytest.raises(ValueError):

@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 
+from harmony_gateway.api.http_protocol import server_options
 from harmony_gateway.app import create_app
 from harmony_gateway.settings import Settings
 
@@ -49,7 +50,14 @@ test_settings.__test__ = False  # type: ignore[attr-defined]  # a factory, not a
 async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, log_level="warning", access_log=False, lifespan="on", log_config=None
+        app,
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        log_config=None,
+        **server_options(settings),
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

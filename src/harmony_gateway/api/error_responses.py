@@ -16,9 +16,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from ..errors import GatewayError, InvalidRequest, NoHealthyWorker, RateLimited, UpstreamUnavailable
+from ..errors import (
+    GatewayError,
+    InvalidRequest,
+    NoHealthyWorker,
+    PayloadTooLarge,
+    RateLimited,
+    RequestTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,8 @@ def validation_error_to_invalid(exc: ValidationError | RequestValidationError) -
     first: Mapping[str, Any] = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = param_from_loc(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid request")
+    if message.startswith("Value error, "):  # pydantic's prefix for a validator's own message
+        message = message[len("Value error, ") :]
     if param:
         message = f"{message} (at {param})"
     return InvalidRequest(message, param=param)
@@ -72,6 +83,8 @@ def gateway_error_response(request: Request, exc: GatewayError) -> Response:
         headers["retry-after"] = "1"
     if exc.status_code < 500 or exc.status_code == 501:
         headers["x-should-retry"] = "false"
+    if isinstance(exc, (RequestTimeout, PayloadTooLarge)):
+        headers["connection"] = "close"  # the rest of the body may still be on the wire
     if exc.status_code >= 500:
         log.warning("request %s failed: %s", request_id_of(request), exc.message)
     return error_response(request, exc.status_code, exc.to_dict(), headers)
@@ -99,6 +112,17 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code,
             {"message": str(exc.detail), "type": error_type, "param": None, "code": code},
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left before its body arrived: nothing to answer and nothing broken.
+        log.info(
+            "client left during the request body of %s %s (request %s)",
+            request.method,
+            request.url.path,
+            request_id_of(request),
+        )
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:

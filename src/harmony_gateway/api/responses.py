@@ -12,7 +12,7 @@ from ..errors import InvalidRequest, NotFound
 from ..pipeline.responses import cancel_response, run_responses
 from ..pipeline.responses_events import stream_stored_events
 from ..pipeline.responses_input import new_id, normalize_items
-from ..storage.base import StoredConversation
+from ..storage.base import MAX_CONVERSATION_ITEMS, StoredConversation
 from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
 from .schemas.responses import (
     ConversationCreate,
@@ -197,6 +197,13 @@ async def add_items(conversation_id: str, request: Request) -> Response:
     owner = owner_of(state, request)
     req = ConversationItemsCreate.model_validate(await json_body(request))
     items = normalize_items(req.items, param="items")
+    held = await state.store.count_conversation_items(conversation_id, owner)
+    if held is not None and held + len(items) > MAX_CONVERSATION_ITEMS:
+        raise InvalidRequest(
+            f"conversation {conversation_id!r} holds {held} items; a conversation holds at most "
+            f"{MAX_CONVERSATION_ITEMS}",
+            param="items",
+        )
     added = await state.store.add_conversation_items(conversation_id, owner, items)
     if added is None:
         raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")

@@ -63,8 +63,19 @@ def new_context(request: Request, route: str, state: GatewayState) -> RequestCon
     return ctx
 
 
+#: Bodies up to this size are decoded and validated on the event loop (well under a millisecond);
+#: larger ones in a thread, so one big request never delays the others' streams.
+LOOP_BODY_BYTES = 256 * 1024
+
+
 async def json_body(request: Request) -> dict[str, Any]:
     body = await request.body()
+    if len(body) <= LOOP_BODY_BYTES:
+        return decode_json_object(body)
+    return await anyio.to_thread.run_sync(decode_json_object, body)
+
+
+def decode_json_object(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -73,6 +84,14 @@ async def json_body(request: Request) -> dict[str, Any]:
         raise InvalidRequest("request body must be a JSON object")
     check_depth(data)
     return data
+
+
+async def validate_body(schema: type[BaseModel], body: dict[str, Any], request: Request) -> Any:
+    """`schema.model_validate(body)`, in a thread for a large body (see LOOP_BODY_BYTES)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > LOOP_BODY_BYTES:
+        return await anyio.to_thread.run_sync(schema.model_validate, body)
+    return schema.model_validate(body)
 
 
 def check_depth(data: Any) -> None:
@@ -172,7 +191,8 @@ async def serve_pipeline(
             if body.get(field) is not None:
                 ctx.log_extra[field] = body[field]
                 tracing.annotate_prompt(field, body[field])
-    result = await run_logged(ctx, run(state, schema.model_validate(body), ctx))
+    validated = await validate_body(schema, body, request)
+    result = await run_logged(ctx, run(state, validated, ctx))
     if isinstance(result, (dict, list)):
         finish_request(ctx)
         return json_response(result, ctx)

@@ -52,7 +52,7 @@ from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
-from .prepare import SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
+from .prepare import LOOP_ENCODE_CHARS, SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
 from .run import _chain, _open_stream
 from .text_upstream import is_text_group, require_token_engine
 from .tokenizer import ModelTokenizer, model_tokenizer
@@ -205,6 +205,22 @@ def encode_prompt(
         ids: list[int] = tok.tokenizer.encode(prompt, add_special_tokens=True).ids
         return ids
     return list(state.encoding.encode(prompt, allowed_special="all"))
+
+
+async def encode_prompt_off_loop(
+    state: GatewayState,
+    group: ModelGroup,
+    prompt: str | list[int],
+    *,
+    param: str,
+    tok: ModelTokenizer | None = None,
+) -> list[int]:
+    """`encode_prompt`, in a thread when the prompt is long enough to hold the event loop."""
+    if len(prompt) <= LOOP_ENCODE_CHARS:
+        return encode_prompt(state, group, prompt, param=param, tok=tok)
+    return await anyio.to_thread.run_sync(
+        functools.partial(encode_prompt, state, group, prompt, param=param, tok=tok)
+    )
 
 
 def raw_prepared(
@@ -483,7 +499,7 @@ async def run_generate(
     prepared = []
     for i, prompt in enumerate(prompts):
         param = ("input_ids" if request.input_ids is not None else "text") + (f"[{i}]" if batched else "")
-        ids = encode_prompt(state, group, prompt, param=param, tok=tok)
+        ids = await encode_prompt_off_loop(state, group, prompt, param=param, tok=tok)
         prepared.append(
             raw_prepared(
                 state,
@@ -640,7 +656,7 @@ async def run_completions(
         if passthrough:
             ids = [] if isinstance(prompt, str) else list(prompt)  # the upstream tokenizes
         else:
-            ids = encode_prompt(state, group, prompt, param=param, tok=tok)
+            ids = await encode_prompt_off_loop(state, group, prompt, param=param, tok=tok)
         prompt_ids.append(ids)
         sampling = request_sampling(group, request)
         sampling.stop = _stops(request.stop)

@@ -376,11 +376,17 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(values)
 
 
+#: Characters of text the event loop encodes itself; more goes to a thread (quicktok encodes ~8 MB a
+#: second here, so this holds the loop for about a millisecond at most).
+LOOP_ENCODE_CHARS = 8192
+
+
 async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: list[Msg]) -> list[int]:
-    """Render on the loop when the prefix is cached (~10 µs), in a thread otherwise (openai-harmony
-    renders a fresh system+developer prefix in about a millisecond)."""
+    """Render on the loop when the prefix is cached and the history short (~10 µs), in a thread
+    otherwise (openai-harmony renders a fresh system+developer prefix in about a millisecond, and a long
+    history costs its length in encoding), so one request never stalls the others."""
     renderer = state.renderer
-    if renderer.has_prefix(prefix):
+    if renderer.has_prefix(prefix) and sum(len(m.text) for m in history) <= LOOP_ENCODE_CHARS:
         return renderer.render_for_completion(prefix, history)
     import anyio
 

@@ -54,7 +54,7 @@ from ..mcp.tool_loop import (
     parse_gateway_tools,
 )
 from ..observability.tracing import traced
-from ..storage.base import StoredResponse
+from ..storage.base import MAX_CONVERSATION_ITEMS, StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
@@ -330,6 +330,12 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         found = await store.all_conversation_items(conversation_id, ctx.owner)
         if found is None:
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
+        if len(found) + len(items) > MAX_CONVERSATION_ITEMS:
+            raise InvalidRequest(
+                f"conversation {conversation_id!r} holds {len(found)} items; a conversation holds at most "
+                f"{MAX_CONVERSATION_ITEMS}: start a new one",
+                param="conversation",
+            )
         conversation_items = found
         known_items.extend(found)
         started = await conversation_started(store, conversation_id, ctx.owner)

@@ -21,6 +21,11 @@ RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete
 Order = Literal["asc", "desc"]
 
 
+#: Items one conversation may hold: every Responses turn on it loads and renders them all, so the total
+#: is bounded like any other request input (a turn past it is refused with a 400 naming the param).
+MAX_CONVERSATION_ITEMS = 10_000
+
+
 @dataclass(slots=True)
 class StoredResponse:
     """One stored Response and what the pipeline needs to continue a chain from it.
@@ -216,6 +221,10 @@ class Store(Protocol):
         items are contiguous. Raises ValueError for an item without an `id` (the API layer assigns
         ids) and errors.Conflict for an id already in the conversation; nothing is written then.
         """
+        ...
+
+    async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
+        """How many items the conversation holds; None if it is not visible."""
         ...
 
     async def list_conversation_items(

@@ -254,6 +254,10 @@ class MemoryStore:
         check_new_item_ids(ids, {i.id for i in entry.items})
         return self._append(entry, ids, _copy(list(items)))
 
+    async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
+        entry = self._conversation(conversation_id, owner)
+        return len(entry.items) if entry is not None else None
+
     async def list_conversation_items(
         self,
         conversation_id: str,

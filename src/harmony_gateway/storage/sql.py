@@ -648,6 +648,13 @@ class SqlStore:
             )
         return added
 
+    async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
+        query = sa.select(sa.func.count()).where(conversation_items.c.conversation_id == conversation_id)
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            return int((await conn.execute(query)).scalar() or 0)
+
     async def list_conversation_items(
         self,
         conversation_id: str,

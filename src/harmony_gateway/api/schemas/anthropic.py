@@ -7,11 +7,11 @@ validates them one by one and names the offending block in the error's message.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import INT32_MAX
+from .limits import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, StopStrings, at_most
 
 
 class _Open(BaseModel):
@@ -49,9 +49,9 @@ class OutputConfigParam(_Open):
 
 class CountTokensRequest(_Open):
     model: str
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: Annotated[list[MessageParam], at_most(MAX_MESSAGES, "messages")] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
-    tools: list[ToolParam] | None = None
+    tools: Annotated[list[ToolParam] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfigParam | None = None
@@ -60,7 +60,7 @@ class CountTokensRequest(_Open):
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stream: bool = False
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopStrings | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import Seed, TokenId, TopK
+from .limits import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Seed, StopParam, TokenId, TopK, at_most
 
 
 class _Open(BaseModel):
@@ -53,16 +53,16 @@ class StreamOptions(_Open):
 
 class ChatCompletionRequest(_Open):
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], at_most(MAX_MESSAGES, "messages")] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=16)
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
+    stop: StopParam | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: TopK | None = None
@@ -76,7 +76,7 @@ class ChatCompletionRequest(_Open):
     reasoning_effort: str | None = None
     include_reasoning: bool = True
     ignore_eos: bool | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId] | None, at_most(MAX_STOP_TOKEN_IDS, "stop token ids")] = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     #: Extension: a cap on analysis tokens, after which the gateway moves the model to its final answer.

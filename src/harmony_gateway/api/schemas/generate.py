@@ -3,11 +3,11 @@ legacy `/v1/completions`. Unknown fields are accepted and ignored."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import Seed, TokenCount, TokenId, TopK
+from .limits import BATCH, MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
 
 #: SGLang's default for `max_new_tokens`; OpenAI's (and vLLM's) for completions `max_tokens`.
 SGLANG_MAX_NEW_TOKENS = 128
@@ -28,8 +28,8 @@ class SglangSamplingParams(_Open):
     repetition_penalty: float | None = Field(default=None, gt=0)
     max_new_tokens: int | None = Field(default=SGLANG_MAX_NEW_TOKENS, ge=0)
     min_new_tokens: TokenCount = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopParam | None = None
+    stop_token_ids: Annotated[list[TokenId] | None, at_most(MAX_STOP_TOKEN_IDS, "stop token ids")] = None
     n: int = Field(default=1, ge=1, le=16)
     ignore_eos: bool = False
     #: Unset: false for Harmony models (raw Harmony text is what RL and evaluation users need), true for
@@ -47,8 +47,8 @@ class SglangSamplingParams(_Open):
 class GenerateRequest(_Open):
     #: Not an SGLang field: picks the model when the gateway serves several (else the only one).
     model: str | None = None
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: Annotated[str | list[str] | None, BATCH] = None
+    input_ids: Annotated[list[int] | list[list[int]] | None, BATCH] = None
     sampling_params: SglangSamplingParams = Field(default_factory=SglangSamplingParams)
     stream: bool = False
     return_logprob: bool = False
@@ -62,7 +62,7 @@ class StreamOptions(_Open):
 
 class CompletionRequest(_Open):
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BATCH]
     max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -77,8 +77,8 @@ class CompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopParam | None = None
+    stop_token_ids: Annotated[list[TokenId] | None, at_most(MAX_STOP_TOKEN_IDS, "stop token ids")] = None
     seed: Seed | None = None
     suffix: str | None = None
     ignore_eos: bool = False

@@ -4,9 +4,9 @@ the engine request is built."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, BeforeValidator, Field
 
 INT32_MAX = 2**31 - 1
 
@@ -17,3 +17,80 @@ TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
 #: Any 64-bit seed, as OpenAI accepts; an engine module folds it into the width its wire carries.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 TokenCount = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+# Bounds on what one request may ask for. A request above one is a 400 naming the field, refused while
+# the body is validated: nothing later (rendering, tokenizing, storing, fan-out to the engines) ever
+# works on an unbounded list. The body itself is capped first (`--max-body-bytes`).
+
+#: Chat and Anthropic messages, Responses input items: long agent sessions stay far below this.
+MAX_MESSAGES = 4096
+#: Tools a request may declare (OpenAI documents 128 functions).
+MAX_TOOLS = 512
+#: Stop strings (OpenAI accepts 4; vLLM and SGLang more).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+#: Prompts in one /v1/completions or /generate batch (times `n`, the engine requests it fans out to).
+MAX_BATCH_PROMPTS = 256
+#: OpenAI's metadata rules: at most 16 pairs, keys up to 64 characters, string values up to 512.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+#: Items one conversation call may add (OpenAI: 20 per call); storage.MAX_CONVERSATION_ITEMS bounds the total.
+MAX_ITEMS_PER_CONVERSATION_CALL = 20
+
+
+def at_most(limit: int, what: str) -> BeforeValidator:
+    """A list field with more than `limit` entries is refused before any entry is validated, so a
+    million-item list costs one `len()`, and the error names the field, not a union member."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what} are accepted, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _check_stop(value: Any) -> Any:
+    strings = [value] if isinstance(value, str) else value
+    if isinstance(strings, list):
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(strings)}")
+        if any(isinstance(s, str) and len(s) > MAX_STOP_STRING_CHARS for s in strings):
+            raise ValueError(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters")
+    return value
+
+
+def _check_batch(value: Any) -> Any:
+    # A list of token ids is one prompt; a list of strings or of id lists is a batch.
+    if isinstance(value, list) and len(value) > MAX_BATCH_PROMPTS and not isinstance(value[0], int):
+        raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts are accepted in one batch, got {len(value)}")
+    return value
+
+
+#: A batch of prompts (`/v1/completions` `prompt`, `/generate` `text` and `input_ids`).
+BATCH = BeforeValidator(_check_batch)
+
+#: `stop` (a string or a list of them) and Anthropic's `stop_sequences`.
+StopParam = Annotated[str | list[str], BeforeValidator(_check_stop)]
+StopStrings = Annotated[list[str], BeforeValidator(_check_stop)]
+
+
+def _check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters")
+        if not isinstance(item, str):
+            raise ValueError(f"metadata values must be strings (key {key[:64]!r})")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata values are at most {MAX_METADATA_VALUE_CHARS} characters")
+    return value
+
+
+#: OpenAI's `metadata` object: checked as OpenAI checks it.
+Metadata = Annotated[dict[str, Any] | None, AfterValidator(_check_metadata)]

@@ -3,9 +3,11 @@ agents send `prompt_cache_key`, ...) are accepted and ignored; invalid values ar
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from .limits import MAX_ITEMS_PER_CONVERSATION_CALL, MAX_MESSAGES, MAX_TOOLS, Metadata, at_most
 
 
 class _Open(BaseModel):
@@ -21,9 +23,9 @@ class ReasoningConfig(_Open):
 
 class ResponsesRequest(_Open):
     model: str
-    input: str | list[dict[str, Any]] = ""
+    input: Annotated[str | list[dict[str, Any]], at_most(MAX_MESSAGES, "input items")] = ""
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -35,7 +37,7 @@ class ResponsesRequest(_Open):
     conversation: str | dict[str, Any] | None = None
     stream: bool = False
     background: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
     include: list[str] | None = None
@@ -53,13 +55,15 @@ class ResponsesRequest(_Open):
 
 
 class ConversationCreate(_Open):
-    items: list[dict[str, Any]] | None = None
-    metadata: dict[str, Any] | None = None
+    items: Annotated[list[dict[str, Any]] | None, at_most(MAX_ITEMS_PER_CONVERSATION_CALL, "items")] = None
+    metadata: Metadata = None
 
 
 class ConversationUpdate(_Open):
-    metadata: dict[str, Any]
+    metadata: Metadata
 
 
 class ConversationItemsCreate(_Open):
-    items: list[dict[str, Any]] = Field(min_length=1, max_length=20)
+    items: Annotated[list[dict[str, Any]], at_most(MAX_ITEMS_PER_CONVERSATION_CALL, "items")] = Field(
+        min_length=1
+    )

@@ -1,0 +1,93 @@
+"""Bounds on the request body before any handler parses it: size (`--max-body-bytes`) and pace
+(`--body-timeout`).
+
+A pure ASGI middleware: a declared `content-length` over the cap is answered 413 at once, without
+reading a byte; a chunked body is counted as it arrives and refused when it passes the cap; each body read
+waits at most `body_timeout` seconds for the next piece (a client trickling its body is answered 408, as
+nginx's `client_body_timeout` does). Both raise typed errors from the handler's own `receive`, so the one
+error mapping (api/error_responses.py) writes them. Only `receive` is wrapped, and only until the body is
+complete: responses, streamed ones included, pass through untouched.
+"""
+
+from __future__ import annotations
+
+import anyio
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import PayloadTooLarge, RequestTimeout
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 30.0
+
+
+def too_large_message(limit: int) -> str:
+    return f"the request body is larger than this gateway accepts ({limit} bytes; --max-body-bytes)"
+
+
+class RequestGuardMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > limit:
+                    await _refuse_too_large(send, limit)
+                    return
+                break
+        timeout = self.body_timeout
+        received = 0
+        body_done = False
+
+        async def guarded_receive() -> Message:
+            nonlocal received, body_done
+            if body_done:
+                return await receive()
+            with anyio.move_on_after(timeout) as scope_:
+                message = await receive()
+            if scope_.cancelled_caught:
+                raise RequestTimeout(f"the request body did not arrive within {timeout:g} s (--body-timeout)")
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise PayloadTooLarge(too_large_message(limit))
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
+            return message
+
+        await self.app(scope, guarded_receive, send)
+
+
+async def _refuse_too_large(send: Send, limit: int) -> None:
+    body = orjson.dumps({"error": PayloadTooLarge(too_large_message(limit)).to_dict()})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"x-should-retry", b"false"),
+                # The unread body is still on the wire: the connection cannot carry another request.
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_BODY_BYTES", "RequestGuardMiddleware"]
