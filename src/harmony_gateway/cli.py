@@ -919,7 +919,7 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         access_log=False,
         lifespan="on",
         log_config=None,
-        **server_options(settings),
+        **server_options(settings, processes=workers),
     )
 
 
@@ -927,6 +927,7 @@ def app_from_env() -> Any:
     """The app of one `serve --workers N` process, from the command line its supervisor was given."""
     import json
 
+    from .api.http_protocol import configure_shared_protocol
     from .app import create_app
     from .observability.logging import configure_logging
 
@@ -936,6 +937,7 @@ def app_from_env() -> Any:
         raise SystemExit(_render_command(args))
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_json)
+    configure_shared_protocol(settings)
     return create_app(settings)
 
 

@@ -119,14 +119,22 @@ class _GuardedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def server_options(settings: Settings) -> dict[str, Any]:
-    """The uvicorn options every way of serving the gateway uses (`serve`, `serve --workers N`, tests)."""
-    return {
-        "http": guarded_protocol(
+def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
+    """The uvicorn options every way of serving the gateway uses (`serve`, `serve --workers N`, tests).
+
+    Several processes get the module's own class, which pickles by name into them (a class built per
+    configuration does not); each process sets its limits with `configure_shared_protocol`."""
+    if processes > 1:
+        configure_shared_protocol(settings)
+        http: type[HttpToolsProtocol] = GuardedHttpToolsProtocol
+    else:
+        http = guarded_protocol(
             header_timeout=settings.header_timeout,
             max_header_bytes=settings.max_header_bytes,
             max_headers=settings.max_headers,
-        ),
+        )
+    return {
+        "http": http,
         "timeout_keep_alive": settings.keep_alive_timeout,
         "limit_concurrency": settings.max_connections,
     }
@@ -144,6 +152,16 @@ def raise_open_file_limit() -> int:
         except (ValueError, OSError):
             pass
     return soft
+
+
+class GuardedHttpToolsProtocol(_GuardedHttpToolsProtocol):
+    """The class `serve --workers N` hands its processes; `configure_shared_protocol` sets its limits."""
+
+
+def configure_shared_protocol(settings: Settings) -> None:
+    GuardedHttpToolsProtocol.header_timeout = settings.header_timeout
+    GuardedHttpToolsProtocol.max_header_bytes = settings.max_header_bytes
+    GuardedHttpToolsProtocol.max_headers = settings.max_headers
 
 
 def guarded_protocol(
@@ -164,6 +182,8 @@ __all__ = [
     "DEFAULT_HEADER_TIMEOUT",
     "DEFAULT_MAX_HEADERS",
     "DEFAULT_MAX_HEADER_BYTES",
+    "GuardedHttpToolsProtocol",
+    "configure_shared_protocol",
     "guarded_protocol",
     "raise_open_file_limit",
     "server_options",
