@@ -55,7 +55,7 @@ from ..mcp.tool_loop import (
 )
 from ..storage.base import StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
-from .context import GatewayState, PreparedRequest, RequestContext
+from .context import GatewayState, PreparedRequest, RequestContext, detached_context, run_cleanups
 from .dispatch import dispatch
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
@@ -837,8 +837,11 @@ async def start_background(
     await persist_status(state, plan, queued)
     await feed.publish(builder.take_events())
     await feed.flush()  # the log exists as soon as the response does
+    # Its own context: the HTTP request's clean-up (the client leaving) must never close the engine
+    # stream or tool connections this task still uses.
+    task_ctx = detached_context(ctx)
     state.background.start(
-        plan.response_id, _run_background(state, plan, ctx, builder, feed), feed, state.store
+        plan.response_id, _run_background(state, plan, task_ctx, builder, feed), feed, state.store
     )
     if plan.request.stream:
         return stream_stored_events(
@@ -922,6 +925,7 @@ async def _run_background(
             return
         await feed.publish(builder.take_events())
     finally:
+        await run_cleanups(ctx)  # this task's own engine streams
         if state.metrics is not None:
             state.metrics.observe_harmony(plan.parsers)
 
