@@ -31,16 +31,13 @@ Each prompt (and batch entry) is one engine request with `n` samples, dispatched
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import anyio
 import orjson
 
 from ..api.schemas.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
@@ -50,15 +47,15 @@ from ..engines.base import EngineChunk, SamplingOptions
 from ..errors import GatewayError, InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
+from .batch import Batch
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
 from .prepare import SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
-from .run import _chain, _open_stream
+from .run import _open_stream
 from .text_upstream import is_text_group, require_token_engine
 from .tokenizer import ModelTokenizer, model_tokenizer
 
 _dumps = orjson.dumps
-_END = object()
 
 
 # -- text of token ids --------------------------------------------------------------------------------
@@ -312,85 +309,37 @@ class RawSample:
 
 
 # -- dispatching several prompts ------------------------------------------------------------------------
-@dataclasses.dataclass(slots=True)
-class _Opened:
-    ctx: RequestContext
-    prepared: PreparedRequest
-    chunks: AsyncIterator[EngineChunk]
+def check_batch_size(state: GatewayState, prompts: int, n: int, *, param: str) -> None:
+    """A batch asks for at most `max_batch_size` samples (prompts × n): 400 naming the prompt param."""
+    limit = state.settings.max_batch_size
+    if prompts * n > limit:
+        raise InvalidRequest(
+            f"a batch may ask for at most {limit} samples (prompts × n); this one asks for {prompts * n}",
+            param=param,
+        )
 
 
-def _child(ctx: RequestContext, index: int, count: int) -> RequestContext:
-    if count == 1:
-        return ctx
-    return dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{index}", log_extra={})
-
-
-async def _open_all(
+async def _open_batch(
     state: GatewayState, ctx: RequestContext, prepared: list[PreparedRequest], *, stream: bool
-) -> list[_Opened]:
-    """Dispatch every prompt and wait for each first chunk; on any failure close what was opened."""
-    opened: list[_Opened | None] = [None] * len(prepared)
+) -> Batch:
+    """Dispatch the prompts (a bounded number at once) and wait for the first wave's first chunks."""
 
-    async def open_one(i: int) -> None:
-        child = _child(ctx, i, len(prepared))
-        chunks, first = await _open_stream(state, prepared[i], child, stream=stream)
-        opened[i] = _Opened(child, prepared[i], _chain([first] if first is not None else [], chunks))
+    async def opener(
+        state: GatewayState, item: PreparedRequest, child: RequestContext
+    ) -> tuple[AsyncIterator[EngineChunk], EngineChunk | None]:
+        return await _open_stream(state, item, child, stream=stream)
 
-    try:
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prepared)):
-                tg.start_soon(open_one, i)
-    except BaseException as exc:
-        for item in opened:
-            if item is not None:
-                await item.chunks.aclose()  # type: ignore[attr-defined]
-        if isinstance(exc, BaseExceptionGroup):
-            raise exc.exceptions[0] from None  # the first failure of any prompt fails the request
-        raise
-    return [item for item in opened if item is not None]
+    batch = Batch(state, ctx, prepared, opener, concurrency=state.settings.batch_concurrency)
+    await batch.open()
+    ctx.cleanups.append(batch.aclose)  # also when the stream never starts (client gone early)
+    return batch
 
 
-async def _merged(opened: list[_Opened]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of every prompt as they arrive, tagged with the prompt index. Closing it closes (aborts) all."""
-    if len(opened) == 1:
-        async with contextlib.aclosing(opened[0].chunks):
-            async for chunk in opened[0].chunks:
-                yield 0, chunk
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
-
-    async def pump(i: int, chunks: AsyncIterator[EngineChunk]) -> None:
-        try:
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-                async for chunk in chunks:
-                    await queue.put((i, chunk))
-        except Exception as exc:
-            await queue.put((i, exc))
-            return
-        await queue.put((i, _END))
-
-    tasks = [asyncio.create_task(pump(i, item.chunks)) for i, item in enumerate(opened)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _finish_ctx(ctx: RequestContext, opened: list[_Opened], samples: list[list[RawSample]]) -> None:
-    ctx.prompt_tokens = sum(len(o.prepared.input_ids) for o in opened)
+def _finish_ctx(ctx: RequestContext, batch: Batch, samples: list[list[RawSample]]) -> None:
+    ctx.prompt_tokens = sum(len(p.input_ids) for p in batch.prepared)
     ctx.completion_tokens = sum(s.tokens for group in samples for s in group)
-    if opened and ctx.worker is None:
-        ctx.worker = opened[0].ctx.worker
+    if ctx.worker is None:
+        ctx.worker = batch.children[0].worker
 
 
 # -- /generate ------------------------------------------------------------------------------------------
@@ -469,10 +418,10 @@ async def run_generate(
     ctx.model = group.name
     require_token_engine(group, "POST /generate", "use /v1/completions or /v1/chat/completions")
     prompts, batched = _generate_prompts(request)
+    prompt_param = "input_ids" if request.input_ids is not None else "text"
     if not prompts:
-        raise InvalidRequest(
-            "the batch is empty", param="input_ids" if request.input_ids is not None else "text"
-        )
+        raise InvalidRequest("the batch is empty", param=prompt_param)
+    check_batch_size(state, len(prompts), request.sampling_params.n, param=prompt_param)
     params = request.sampling_params
     tok = await raw_tokenizer(state, group)
     prepared = []
@@ -496,15 +445,15 @@ async def run_generate(
     n = params.n
     new_decoder = decoder_factory(state, tok, params.skip_special_tokens)
     samples = [[RawSample(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    opened = await _open_batch(state, ctx, prepared, stream=request.stream)
     several = batched or n > 1
     if not request.stream:
-        async with contextlib.aclosing(_merged(opened)) as merged:
+        async with contextlib.aclosing(opened.chunks()) as merged:
             async for i, chunk in merged:
                 samples[i][chunk.index].feed(chunk)
         _finish_ctx(ctx, opened, samples)
         items = [
-            _generate_item(samples[i][j], opened[i].ctx.request_id, request, None)
+            _generate_item(samples[i][j], opened.children[i].request_id, request, None)
             for i in range(len(prompts))
             for j in range(n)
         ]
@@ -514,20 +463,20 @@ async def run_generate(
 
 async def _stream_generate(
     ctx: RequestContext,
-    opened: list[_Opened],
+    opened: Batch,
     samples: list[list[RawSample]],
     request: GenerateRequest,
     several: bool,
 ) -> AsyncIterator[bytes]:
     n = len(samples[0])
     try:
-        async with contextlib.aclosing(_merged(opened)) as merged:
+        async with contextlib.aclosing(opened.chunks()) as merged:
             async for i, chunk in merged:
                 sample = samples[i][chunk.index]
                 sample.feed(chunk)
                 if chunk.token_ids or chunk.finished:
                     index = i * n + chunk.index if several else None
-                    item = _generate_item(sample, opened[i].ctx.request_id, request, index)
+                    item = _generate_item(sample, opened.children[i].request_id, request, index)
                     yield b"data: " + _dumps(item) + b"\n\n"
         _finish_ctx(ctx, opened, samples)
         yield DONE
@@ -621,6 +570,7 @@ async def run_completions(
         raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
     prompts = _completion_prompts(request.prompt)
     n = request.n
+    check_batch_size(state, len(prompts), n, param="prompt")
     logprobs = request.logprobs
     passthrough = is_text_group(group)
     if passthrough and logprobs is not None:
@@ -662,11 +612,11 @@ async def run_completions(
     echo = request.echo and not passthrough
     echoes = [decode_all(new_decoder(), ids) if echo else "" for ids in prompt_ids]
     builders = [[_LogprobBuilder(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    opened = await _open_batch(state, ctx, prepared, stream=request.stream)
     completion_id = "cmpl-" + ctx.request_id
     created = int(time.time())
     if not request.stream:
-        async with contextlib.aclosing(_merged(opened)) as merged:
+        async with contextlib.aclosing(opened.chunks()) as merged:
             async for i, chunk in merged:
                 samples[i][chunk.index].feed(chunk)
         _finish_ctx(ctx, opened, samples)
@@ -704,10 +654,10 @@ async def run_completions(
     )
 
 
-def _completion_usage(opened: list[_Opened], samples: list[list[RawSample]]) -> dict[str, Any]:
+def _completion_usage(opened: Batch, samples: list[list[RawSample]]) -> dict[str, Any]:
     prompt = sum(
-        (group[0].prompt_tokens or len(o.prepared.input_ids))
-        for o, group in zip(opened, samples, strict=True)
+        (group[0].prompt_tokens or len(p.input_ids))
+        for p, group in zip(opened.prepared, samples, strict=True)
     )
     completion = sum(s.tokens for group in samples for s in group)
     cached = sum(max(s.cached_tokens for s in group) for group in samples)
@@ -721,7 +671,7 @@ def _completion_usage(opened: list[_Opened], samples: list[list[RawSample]]) -> 
 
 async def _stream_completions(
     ctx: RequestContext,
-    opened: list[_Opened],
+    opened: Batch,
     samples: list[list[RawSample]],
     builders: list[list[_LogprobBuilder]],
     echoes: list[str],
@@ -741,7 +691,7 @@ async def _stream_completions(
     try:
         out = b""
         echoed = [[False] * n for _ in samples]
-        async with contextlib.aclosing(_merged(opened)) as merged:
+        async with contextlib.aclosing(opened.chunks()) as merged:
             async for i, chunk in merged:
                 j = chunk.index
                 sample = samples[i][j]
