@@ -26,11 +26,8 @@ from .context import CLEANUP_TIMEOUT, GatewayState, PreparedRequest, RequestCont
 #: How many chunks the sub-requests may have queued before the slowest consumer holds them back.
 QUEUE_SIZE = 64
 
-#: Opens one engine stream and takes its first chunk (`run._open_stream`).
-Opener = Callable[
-    [GatewayState, PreparedRequest, RequestContext],
-    Awaitable[tuple[AsyncIterator[EngineChunk], EngineChunk | None]],
-]
+#: Opens one engine stream, its first chunk taken (`drive.open_generation`).
+Opener = Callable[[GatewayState, PreparedRequest, RequestContext], Awaitable[AsyncIterator[EngineChunk]]]
 
 _END = object()
 
@@ -95,10 +92,8 @@ class Batch:
                 if self._failed:
                     return  # a sibling failed: the batch is over, start nothing more
                 try:
-                    chunks, first = await self._opener(self._state, self.prepared[i], child)
+                    chunks = await self._opener(self._state, self.prepared[i], child)
                     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-                        if first is not None:
-                            await self._queue.put((i, first))
                         async for chunk in chunks:
                             await self._queue.put((i, chunk))
                 except Exception as exc:
