@@ -59,6 +59,13 @@ def _pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return number
+
+
 def _stream_interval(value: str) -> int | None:
     if value == "engine":
         return None
@@ -118,6 +125,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_headers=args.max_headers,
         max_connections=args.max_connections,
         max_retries=args.max_retries,
+        max_batch_size=args.max_batch_size,
+        batch_concurrency=args.batch_concurrency,
         stream_interval=_stream_interval(args.stream_interval),
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,
@@ -286,6 +295,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=2,
         help="retries on another worker for requests that fail before the first token",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=64,
+        help="samples one /generate or /v1/completions batch may ask for, prompts × n (default 64)",
+    )
+    p.add_argument(
+        "--batch-concurrency",
+        type=_positive_int,
+        default=8,
+        help="sub-requests of one batch at the engines at once (default 8)",
     )
     p.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
     p.add_argument("--health-timeout", type=float, default=2.0, help="health check timeout in seconds")

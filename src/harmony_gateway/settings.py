@@ -50,6 +50,10 @@ class Settings:
     #: 1 the worker API refuses changes that would reach one process only.
     processes: int = 1
     max_retries: int = 2
+    #: Samples one `/generate` or `/v1/completions` batch may ask for (prompts × n); above it a 400.
+    max_batch_size: int = 64
+    #: Sub-requests of one batch at the engines at once; the rest wait their turn.
+    batch_concurrency: int = 8
     #: Tokens per streamed engine message (SGLang `stream_interval`); None leaves the engine's default,
     #: 0 (the default) adapts it to the decode rate and the gateway's load (pipeline/stream_interval.py).
     stream_interval: int | None = 0

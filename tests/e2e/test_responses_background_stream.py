@@ -252,3 +252,64 @@ async def test_background_without_stream_is_logged_too(client: openai.AsyncOpenA
     stored = await client.responses.retrieve(r.id)
     assert events[-1]["type"] == "response.completed"
     assert [item["id"] for item in events[-1]["response"]["output"]] == [item.id for item in stored.output]
+
+
+@pytest.mark.parametrize("attempt", range(5))
+async def test_a_client_leaving_never_cuts_a_background_stream(
+    slow_gateway: RunningGateway, attempt: int
+) -> None:
+    """The background task has its own context, engine stream and clean-up: the HTTP response of the
+    client that started it closing (the client left after a few events) must not reach the engine
+    stream the task still reads. Stored, it equals a run whose client stayed to the end.
+
+    The ordering is made explicit: the client leaves while the task is parked in an event-log write,
+    between two engine chunks, and the task goes on only once the HTTP request has finished its
+    clean-up: a shared engine stream would be closed under it right there."""
+    state = slow_gateway.state
+    store, metrics = state.store, state.metrics
+    append, observe = store.append_events, metrics.observe
+    armed, parked, request_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    def observing(ctx: Any) -> None:
+        if parked.is_set() and ctx.route == "responses":
+            request_done.set()
+        observe(ctx)
+
+    async def held(response_id: str, events: Any) -> None:
+        if armed.is_set() and not parked.is_set():
+            parked.set()
+            await asyncio.wait_for(request_done.wait(), timeout=10)
+        await append(response_id, events)
+
+    prompt = f"[[long]] keep going {attempt}"
+    metrics.observe, store.append_events = observing, held
+    try:
+        async with _client(slow_gateway) as c:
+            stayed = await c.responses.create(model=MODEL, input=prompt, background=True, stream=True)
+            full = _dump([e async for e in stayed])
+            assert full[-1]["type"] == "response.completed"
+
+            stream = await c.responses.create(model=MODEL, input=prompt, background=True, stream=True)
+            head = []
+            async for event in stream:
+                head.append(event.model_dump(warnings=False))
+                if event.type == "response.reasoning_text.delta":
+                    break
+            armed.set()
+            await asyncio.wait_for(parked.wait(), timeout=10)
+            await stream.close()  # the client leaves while the engine is still generating
+            response_id = head[0]["response"]["id"]
+            await wait_until(lambda: not state.background.running(response_id), timeout=20)
+            assert request_done.is_set()
+            left_behind = await c.responses.retrieve(response_id)
+            kept = await c.responses.retrieve(full[0]["response"]["id"])
+            events = _dump([e async for e in await c.responses.retrieve(response_id, stream=True)])
+    finally:
+        del metrics.observe, store.append_events
+    assert left_behind.status == "completed" and kept.status == "completed"
+    assert left_behind.output_text and left_behind.output_text == kept.output_text
+    assert left_behind.usage is not None and kept.usage is not None
+    assert left_behind.usage.output_tokens == kept.usage.output_tokens
+    assert [item.type for item in left_behind.output] == [item.type for item in kept.output]
+    validate_event_stream(events)
+    assert events[-1]["type"] == "response.completed"

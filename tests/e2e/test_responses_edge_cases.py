@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -98,23 +99,38 @@ async def docs() -> AsyncIterator[RunningMcp]:
         yield running
 
 
-@pytest.fixture(scope="module")
-async def hanging_calls() -> list[str]:
-    return []
+@dataclass
+class HangingCalls:
+    """What the hanging tool went through, as events a test waits for (replaced per test)."""
+
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @pytest.fixture(scope="module")
-async def hanging(hanging_calls: list[str]) -> AsyncIterator[RunningMcp]:
+async def hanging_probe() -> list[HangingCalls]:
+    return [HangingCalls()]
+
+
+@pytest.fixture
+async def hanging_calls(hanging_probe: list[HangingCalls]) -> HangingCalls:
+    hanging_probe[0] = HangingCalls()
+    return hanging_probe[0]
+
+
+@pytest.fixture(scope="module")
+async def hanging(hanging_probe: list[HangingCalls]) -> AsyncIterator[RunningMcp]:
     server = MCPServer("slow")
 
     @server.tool()
     async def hang_tool(topic: str) -> str:
         """Takes far longer than any test waits."""
-        hanging_calls.append("started")
+        calls = hanging_probe[0]
+        calls.started.set()
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
-            hanging_calls.append("cancelled")
+            calls.cancelled.set()
             raise
         return "never"
 
@@ -159,35 +175,57 @@ async def test_budget_covers_the_whole_tool_loop(tools_gateway: RunningGateway, 
 
 # -- a client leaving mid tool call ------------------------------------------------------------------------
 async def test_disconnect_mid_tool_call_cancels_it_and_stores_nothing(
-    tools_gateway: RunningGateway, hanging: RunningMcp, hanging_calls: list[str], sim: RunningSim
+    tools_gateway: RunningGateway, hanging: RunningMcp, hanging_calls: HangingCalls, sim: RunningSim
 ) -> None:
+    """The client leaves only once the tool call has started (an event the tool sets), and the checks
+    run only once the gateway has finished the request (its metrics recorded it): no sleeps, so a
+    loaded machine changes how long the test takes, never what it sees. It used to leave too early
+    now and then: the line iterator it broke out of was finalised, closing the response."""
     body = {
         "model": MODEL,
         "input": "Use hang_tool for tea",
         "tools": [_mcp("slow", hanging)],
         "stream": True,
     }
-    response_id = None
-    async with httpx.AsyncClient(base_url=tools_gateway.url, timeout=30) as http:
-        async with http.stream("POST", "/v1/responses", json=body) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                event = json.loads(line[6:])
-                if event["type"] == "response.created":
-                    response_id = event["response"]["id"]
-                if event["type"] == "response.mcp_call_arguments.done":
-                    break
-            await wait_until(lambda: "started" in hanging_calls, timeout=5)
-            engine_requests = len(sim.requests)
-        # Leaving the block closed the connection while the tool runs.
-        await wait_until(lambda: "cancelled" in hanging_calls, timeout=10)
-        await asyncio.sleep(0.3)
-        assert len(sim.requests) == engine_requests  # the loop did not go on to the next turn
-        assert response_id is not None
-        missing = await http.get(f"/v1/responses/{response_id}")
-        assert missing.status_code == 404
+    metrics = tools_gateway.state.metrics
+    observe = metrics.observe
+    finished: dict[str, asyncio.Event] = {}
+
+    def observing(ctx: Any) -> None:
+        observe(ctx)
+        finished.setdefault(ctx.request_id, asyncio.Event()).set()
+
+    response_id = request_id = None
+    metrics.observe = observing
+    try:
+        async with httpx.AsyncClient(base_url=tools_gateway.url, timeout=30) as http:
+            async with http.stream("POST", "/v1/responses", json=body) as resp:
+                assert resp.status_code == 200
+                request_id = resp.headers["x-request-id"]
+                # Held, not left to the garbage collector: a dropped line iterator is finalised by a
+                # task that closes the response, and the client would leave before the call started.
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if event["type"] == "response.created":
+                        response_id = event["response"]["id"]
+                    if event["type"] == "response.mcp_call_arguments.done":
+                        break
+                # The watchdog bounds a hang; the order is the event's.
+                await asyncio.wait_for(hanging_calls.started.wait(), timeout=30)
+                engine_requests = len(sim.requests)
+            # Leaving the block closed the connection while the tool runs.
+            await asyncio.wait_for(hanging_calls.cancelled.wait(), timeout=30)
+            done = finished.setdefault(request_id, asyncio.Event())
+            await asyncio.wait_for(done.wait(), timeout=30)
+            assert len(sim.requests) == engine_requests  # the loop did not go on to the next turn
+            assert response_id is not None
+            missing = await http.get(f"/v1/responses/{response_id}")
+            assert missing.status_code == 404
+    finally:
+        del metrics.observe
 
 
 # -- input items -----------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
 from ..observability import tracing
 from ..observability.metrics import finish_request
-from ..pipeline.context import GatewayState, RequestContext, new_request_id
+from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
 from .coalesce import coalesce
 from .error_responses import param_from_loc
@@ -146,13 +146,9 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
-                for close in reversed(self._ctx.cleanups):
-                    try:
-                        await close()
-                    except Exception as exc:  # a failed close must not hide the others
-                        log.debug("closing %s failed: %s", close, exc)
+            await run_cleanups(self._ctx)
             finish_request(self._ctx)
 
 

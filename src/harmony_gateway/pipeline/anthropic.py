@@ -45,7 +45,6 @@ partial JSON prefix and would fail on invalid arguments.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import logging
@@ -78,6 +77,7 @@ from ..harmony.messages import (
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from .context import GatewayState, PreparedRequest, RequestContext
+from .drive import collect, drive, open_generation
 from .hosted_tools import note_dropped_tool
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from .prepare import (
@@ -91,7 +91,6 @@ from .prepare import (
 )
 from .reasoning_budget import budget_exceeded
 from .reasoning_store import reasoning_vault, recall_analyses, turn_remembering
-from .run import _chain, _open_stream
 from .text_output import TextChoiceOutput, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
 
@@ -746,96 +745,120 @@ async def run_messages(
     choice.include_reasoning = plan.show_thinking
     # Streaming from the engine lets the gateway stop early on a client stop sequence.
     engine_stream = request.stream or bool(prepared.stop_strings)
-    chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
+    source = await open_generation(state, prepared, ctx, stream=engine_stream)
     message_id = "msg_" + ctx.request_id
-    if not request.stream:
-        blocks = MessageBlocks(stream=False, sign=plan.sign)
-        async with contextlib.aclosing(chunks):
-            async for chunk in _chain([first] if first is not None else [], chunks):
-                blocks.push(choice.feed(chunk))
-                if choice.stop_hit:
-                    break  # leaving the loop aborts the engine request
-        blocks.push(choice.close())
-        blocks.close()
-        if prepared.after_turn is not None:
-            await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-        reason, sequence = stop_reason(choice, prepared.stop_strings)
-        usage = anthropic_usage(choice, prepared, ctx)
-        ctx.completion_tokens = usage["output_tokens"]
-        return {
-            "id": message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": group.name,
-            "content": blocks.blocks,
-            "stop_reason": reason,
-            "stop_sequence": sequence,
+    framer = MessagesFramer(
+        message_id, group.name, prepared, ctx, choice, stream=request.stream, sign=plan.sign
+    )
+    if request.stream:
+        return drive(ctx, source, framer)
+    await collect(ctx, source, framer)
+    blocks = framer.blocks
+    blocks.push(choice.close())
+    blocks.close()
+    if prepared.after_turn is not None:
+        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
+    reason, sequence = stop_reason(choice, prepared.stop_strings)
+    usage = anthropic_usage(choice, prepared, ctx)
+    ctx.completion_tokens = usage["output_tokens"]
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": group.name,
+        "content": blocks.blocks,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage,
+    }
+
+
+class MessagesFramer:
+    """Anthropic's event protocol: `message_start` (with the first chunk's prompt counts) and `ping`,
+    content block events per engine chunk, then `message_delta` and `message_stop`; a failure is the
+    `error` event. Not streaming, it only collects the blocks. A stop sequence ends it early."""
+
+    __slots__ = ("_choice", "_ctx", "_head_due", "_message_id", "_model", "_prepared", "blocks", "unsettled")
+
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        prepared: PreparedRequest,
+        ctx: RequestContext,
+        choice: ChoiceOutput | TextChoiceOutput,
+        *,
+        stream: bool,
+        sign: Callable[[str], str] = thinking_signature,
+    ) -> None:
+        self._message_id = message_id
+        self._model = model
+        self._prepared = prepared
+        self._ctx = ctx
+        self._choice = choice
+        self._head_due = stream
+        self.blocks = MessageBlocks(stream=stream, sign=sign)
+        self.unsettled = False
+
+    def _head(self, first: EngineChunk | None) -> bytes:
+        self._head_due = False
+        prompt = (first.prompt_tokens if first is not None else 0) or len(self._prepared.input_ids)
+        cached = min(first.cached_tokens if first is not None else 0, prompt)
+        start = {
+            "type": "message_start",
+            "message": {
+                "id": self._message_id,
+                "type": "message",
+                "role": "assistant",
+                "model": self._model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": prompt - cached,
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": cached,
+                    "output_tokens": 0,
+                },
+            },
+        }
+        return _frame("message_start", _dumps(start)) + _frame("ping", b'{"type":"ping"}')
+
+    def feed(self, chunk: EngineChunk) -> bytes:
+        head = self._head(chunk) if self._head_due else b""
+        return head + self.blocks.push(self._choice.feed(chunk))
+
+    def stopped(self) -> bool:
+        return self._choice.stop_hit
+
+    async def settle(self) -> None:
+        """The turn's after-turn work (restorable analysis), before its closing events go out."""
+        self.unsettled = False
+        if self._prepared.after_turn is not None:
+            await self._prepared.after_turn(self._choice)
+
+    def tail(self) -> bytes:
+        choice = self._choice
+        tail = self._head(None) if self._head_due else b""
+        tail += self.blocks.push(choice.close()) + self.blocks.close()
+        self.unsettled = self._prepared.after_turn is not None
+        reason, sequence = stop_reason(choice, self._prepared.stop_strings)
+        usage = anthropic_usage(choice, self._prepared, self._ctx)
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
             "usage": usage,
         }
-    return _stream_message(message_id, group.name, prepared, ctx, choice, chunks, first, plan.sign)
+        return (
+            tail + _frame("message_delta", _dumps(delta)) + _frame("message_stop", b'{"type":"message_stop"}')
+        )
 
+    def error(self, exc: BaseException) -> bytes:
+        return error_event(exc)
 
-async def _stream_message(
-    message_id: str,
-    model: str,
-    prepared: PreparedRequest,
-    ctx: RequestContext,
-    choice: ChoiceOutput | TextChoiceOutput,
-    chunks: AsyncIterator[EngineChunk],
-    first: EngineChunk | None,
-    sign: Callable[[str], str] = thinking_signature,
-) -> AsyncIterator[bytes]:
-    """Anthropic's event protocol; an error after the headers becomes an `error` event."""
-    blocks = MessageBlocks(stream=True, sign=sign)
-    async with contextlib.aclosing(chunks):
-        try:
-            prompt = (first.prompt_tokens if first is not None else 0) or len(prepared.input_ids)
-            cached = min(first.cached_tokens if first is not None else 0, prompt)
-            start = {
-                "type": "message_start",
-                "message": {
-                    "id": message_id,
-                    "type": "message",
-                    "role": "assistant",
-                    "model": model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {
-                        "input_tokens": prompt - cached,
-                        "cache_creation_input_tokens": 0,
-                        "cache_read_input_tokens": cached,
-                        "output_tokens": 0,
-                    },
-                },
-            }
-            head = _frame("message_start", _dumps(start)) + _frame("ping", b'{"type":"ping"}')
-            async for chunk in _chain([first] if first is not None else [], chunks):
-                out = blocks.push(choice.feed(chunk))
-                if head:
-                    out, head = head + out, b""
-                if out:
-                    yield out
-                if choice.stop_hit:
-                    break  # leaving the loop aborts the engine request
-            tail = head + blocks.push(choice.close()) + blocks.close()
-            if prepared.after_turn is not None:
-                await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-            reason, sequence = stop_reason(choice, prepared.stop_strings)
-            usage = anthropic_usage(choice, prepared, ctx)
-            ctx.completion_tokens = usage["output_tokens"]
-            delta = {
-                "type": "message_delta",
-                "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                "usage": usage,
-            }
-            tail += _frame("message_delta", _dumps(delta)) + _frame(
-                "message_stop", b'{"type":"message_stop"}'
-            )
-            yield tail
-        except Exception as exc:  # a gateway bug must still end the stream with an error event
-            ctx.status = exc.status_code if isinstance(exc, GatewayError) else 500
-            yield error_event(exc)
+    def completion_tokens(self) -> int:
+        choice = self._choice
+        return choice.completion_tokens or choice.parser.output_tokens
 
 
 # -- errors ------------------------------------------------------------------------------------------

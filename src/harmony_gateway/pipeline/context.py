@@ -3,11 +3,14 @@ prepared request that the prepare stage hands to select, build and dispatch."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from ..engines.base import SamplingOptions
 from ..settings import Settings
@@ -38,6 +41,12 @@ class GatewayState:
     health_config: Any = None
     #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
+
+
+log = logging.getLogger(__name__)
+
+#: Seconds the closers of one request may take together (engine aborts, MCP connections).
+CLEANUP_TIMEOUT = 10.0
 
 
 def new_request_id() -> str:
@@ -107,3 +116,31 @@ class PreparedRequest:
     #: Awaited with each finished choice before its last event is sent (keeps the analysis behind issued
     #: tool calls restorable: `reasoning_store.turn_remembering`).
     after_turn: Any = None
+
+
+def detached_context(ctx: RequestContext) -> RequestContext:
+    """A context for work that outlives the HTTP request of `ctx` (a background response): the same
+    request id, owner and routing key, but its own `cleanups`, worker and counters, so the request's
+    clean-up never closes an engine stream or tool connection the work still uses. The work runs
+    `run_cleanups` on it when it ends; the HTTP request is recorded on its own."""
+    return RequestContext(
+        request_id=ctx.request_id,
+        route=ctx.route,
+        owner=ctx.owner,
+        routing_key=ctx.routing_key,
+        model=ctx.model,
+        log_extra=dict(ctx.log_extra),
+        metrics=ctx.metrics,
+    )
+
+
+async def run_cleanups(ctx: RequestContext) -> None:
+    """Run the request's closers, newest first, shielded (a cancelled request still frees what it
+    opened) and bounded; a failing closer is logged and never hides the others. Idempotent."""
+    closers, ctx.cleanups = ctx.cleanups, []
+    with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT):
+        for close in reversed(closers):
+            try:
+                await close()
+            except Exception as exc:
+                log.debug("closing %s failed: %s", close, exc)

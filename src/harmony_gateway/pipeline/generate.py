@@ -31,10 +31,7 @@ Each prompt (and batch entry) is one engine request with `n` samples, dispatched
 
 from __future__ import annotations
 
-import asyncio
 import codecs
-import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -47,18 +44,18 @@ from ..api.schemas.generate import CompletionRequest, GenerateRequest, SglangSam
 from ..api.schemas.limits import INT32_MAX
 from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk, SamplingOptions
-from ..errors import GatewayError, InvalidRequest
+from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
+from .batch import Batch
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
+from .drive import NothingToSettle, collect, drive, open_generation
 from .prepare import LOOP_ENCODE_CHARS, SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
-from .run import _chain, _open_stream
 from .text_upstream import is_text_group, require_token_engine
 from .tokenizer import ModelTokenizer, model_tokenizer
 
 _dumps = orjson.dumps
-_END = object()
 
 
 # -- text of token ids --------------------------------------------------------------------------------
@@ -328,85 +325,37 @@ class RawSample:
 
 
 # -- dispatching several prompts ------------------------------------------------------------------------
-@dataclasses.dataclass(slots=True)
-class _Opened:
-    ctx: RequestContext
-    prepared: PreparedRequest
-    chunks: AsyncIterator[EngineChunk]
+def check_batch_size(state: GatewayState, prompts: int, n: int, *, param: str) -> None:
+    """A batch asks for at most `max_batch_size` samples (prompts × n): 400 naming the prompt param."""
+    limit = state.settings.max_batch_size
+    if prompts * n > limit:
+        raise InvalidRequest(
+            f"a batch may ask for at most {limit} samples (prompts × n); this one asks for {prompts * n}",
+            param=param,
+        )
 
 
-def _child(ctx: RequestContext, index: int, count: int) -> RequestContext:
-    if count == 1:
-        return ctx
-    return dataclasses.replace(ctx, request_id=f"{ctx.request_id}-{index}", log_extra={})
-
-
-async def _open_all(
+async def _open_batch(
     state: GatewayState, ctx: RequestContext, prepared: list[PreparedRequest], *, stream: bool
-) -> list[_Opened]:
-    """Dispatch every prompt and wait for each first chunk; on any failure close what was opened."""
-    opened: list[_Opened | None] = [None] * len(prepared)
+) -> Batch:
+    """Dispatch the prompts (a bounded number at once) and wait for the first wave's first chunks."""
 
-    async def open_one(i: int) -> None:
-        child = _child(ctx, i, len(prepared))
-        chunks, first = await _open_stream(state, prepared[i], child, stream=stream)
-        opened[i] = _Opened(child, prepared[i], _chain([first] if first is not None else [], chunks))
+    async def opener(
+        state: GatewayState, item: PreparedRequest, child: RequestContext
+    ) -> AsyncIterator[EngineChunk]:
+        return await open_generation(state, item, child, stream=stream)
 
-    try:
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prepared)):
-                tg.start_soon(open_one, i)
-    except BaseException as exc:
-        for item in opened:
-            if item is not None:
-                await item.chunks.aclose()  # type: ignore[attr-defined]
-        if isinstance(exc, BaseExceptionGroup):
-            raise exc.exceptions[0] from None  # the first failure of any prompt fails the request
-        raise
-    return [item for item in opened if item is not None]
+    batch = Batch(state, ctx, prepared, opener, concurrency=state.settings.batch_concurrency)
+    await batch.open()
+    ctx.cleanups.append(batch.aclose)  # also when the stream never starts (client gone early)
+    return batch
 
 
-async def _merged(opened: list[_Opened]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of every prompt as they arrive, tagged with the prompt index. Closing it closes (aborts) all."""
-    if len(opened) == 1:
-        async with contextlib.aclosing(opened[0].chunks):
-            async for chunk in opened[0].chunks:
-                yield 0, chunk
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
-
-    async def pump(i: int, chunks: AsyncIterator[EngineChunk]) -> None:
-        try:
-            async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-                async for chunk in chunks:
-                    await queue.put((i, chunk))
-        except Exception as exc:
-            await queue.put((i, exc))
-            return
-        await queue.put((i, _END))
-
-    tasks = [asyncio.create_task(pump(i, item.chunks)) for i, item in enumerate(opened)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is _END:
-                remaining -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _finish_ctx(ctx: RequestContext, opened: list[_Opened], samples: list[list[RawSample]]) -> None:
-    ctx.prompt_tokens = sum(len(o.prepared.input_ids) for o in opened)
+def _finish_ctx(ctx: RequestContext, batch: Batch, samples: list[list[RawSample]]) -> None:
+    ctx.prompt_tokens = sum(len(p.input_ids) for p in batch.prepared)
     ctx.completion_tokens = sum(s.tokens for group in samples for s in group)
-    if opened and ctx.worker is None:
-        ctx.worker = opened[0].ctx.worker
+    if ctx.worker is None:
+        ctx.worker = batch.children[0].worker
 
 
 # -- /generate ------------------------------------------------------------------------------------------
@@ -490,10 +439,10 @@ async def run_generate(
     ctx.model = group.name
     require_token_engine(group, "POST /generate", "use /v1/completions or /v1/chat/completions")
     prompts, batched = _generate_prompts(request)
+    prompt_param = "input_ids" if request.input_ids is not None else "text"
     if not prompts:
-        raise InvalidRequest(
-            "the batch is empty", param="input_ids" if request.input_ids is not None else "text"
-        )
+        raise InvalidRequest("the batch is empty", param=prompt_param)
+    check_batch_size(state, len(prompts), request.sampling_params.n, param=prompt_param)
     params = request.sampling_params
     tok = await raw_tokenizer(state, group)
     prepared = []
@@ -517,47 +466,64 @@ async def run_generate(
     n = params.n
     new_decoder = decoder_factory(state, tok, params.skip_special_tokens)
     samples = [[RawSample(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    opened = await _open_batch(state, ctx, prepared, stream=request.stream)
     several = batched or n > 1
+    framer = GenerateFramer(ctx, opened, samples, request, several)
     if not request.stream:
-        async with contextlib.aclosing(_merged(opened)) as merged:
-            async for i, chunk in merged:
-                samples[i][chunk.index].feed(chunk)
+        await collect(ctx, opened.chunks(), framer)
         _finish_ctx(ctx, opened, samples)
         items = [
-            _generate_item(samples[i][j], opened[i].ctx.request_id, request, None)
+            _generate_item(samples[i][j], opened.children[i].request_id, request, None)
             for i in range(len(prompts))
             for j in range(n)
         ]
         return items if several else items[0]
-    return _stream_generate(ctx, opened, samples, request, several)
+    return drive(ctx, opened.chunks(), framer)
 
 
-async def _stream_generate(
-    ctx: RequestContext,
-    opened: list[_Opened],
-    samples: list[list[RawSample]],
-    request: GenerateRequest,
-    several: bool,
-) -> AsyncIterator[bytes]:
-    n = len(samples[0])
-    try:
-        async with contextlib.aclosing(_merged(opened)) as merged:
-            async for i, chunk in merged:
-                sample = samples[i][chunk.index]
-                sample.feed(chunk)
-                if chunk.token_ids or chunk.finished:
-                    index = i * n + chunk.index if several else None
-                    item = _generate_item(sample, opened[i].ctx.request_id, request, index)
-                    yield b"data: " + _dumps(item) + b"\n\n"
-        _finish_ctx(ctx, opened, samples)
-        yield DONE
-    except GatewayError as exc:
-        ctx.status = exc.status_code
-        yield chat_error_frame(exc)
-    except Exception as exc:  # a gateway bug must still end the stream cleanly
-        ctx.status = 500
-        yield chat_error_frame(exc)
+class GenerateFramer(NothingToSettle):
+    """`/generate` output: every sample's cumulative state per engine chunk (streamed as `data:`
+    events), `[DONE]` at the end; a failure is the OpenAI-style error event."""
+
+    __slots__ = ("_batch", "_ctx", "_n", "_request", "_samples", "_several")
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        batch: Batch,
+        samples: list[list[RawSample]],
+        request: GenerateRequest,
+        several: bool,
+    ) -> None:
+        self._ctx = ctx
+        self._batch = batch
+        self._samples = samples
+        self._request = request
+        self._several = several
+        self._n = len(samples[0])
+
+    def feed(self, item: tuple[int, EngineChunk]) -> bytes:
+        i, chunk = item
+        sample = self._samples[i][chunk.index]
+        sample.feed(chunk)
+        if not self._request.stream or not (chunk.token_ids or chunk.finished):
+            return b""
+        index = i * self._n + chunk.index if self._several else None
+        out = _generate_item(sample, self._batch.children[i].request_id, self._request, index)
+        return b"data: " + _dumps(out) + b"\n\n"
+
+    def stopped(self) -> bool:
+        return False  # stop strings are the engine's on these routes
+
+    def tail(self) -> bytes:
+        _finish_ctx(self._ctx, self._batch, self._samples)
+        return DONE
+
+    def error(self, exc: BaseException) -> bytes:
+        return chat_error_frame(exc)
+
+    def completion_tokens(self) -> int:
+        return sum(s.tokens for group in self._samples for s in group)
 
 
 # -- /v1/completions ----------------------------------------------------------------------------------
@@ -642,6 +608,7 @@ async def run_completions(
         raise InvalidRequest("best_of is not supported (only best_of == n)", param="best_of")
     prompts = _completion_prompts(request.prompt)
     n = request.n
+    check_batch_size(state, len(prompts), n, param="prompt")
     logprobs = request.logprobs
     passthrough = is_text_group(group)
     if passthrough and logprobs is not None:
@@ -683,13 +650,16 @@ async def run_completions(
     echo = request.echo and not passthrough
     echoes = [decode_all(new_decoder(), ids) if echo else "" for ids in prompt_ids]
     builders = [[_LogprobBuilder(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await _open_all(state, ctx, prepared, stream=request.stream)
+    opened = await _open_batch(state, ctx, prepared, stream=request.stream)
     completion_id = "cmpl-" + ctx.request_id
     created = int(time.time())
+    head = {"id": completion_id, "object": "text_completion", "created": created, "model": group.name}
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    framer = CompletionsFramer(
+        ctx, opened, samples, builders, echoes, prompt_ids, head, logprobs is not None, include_usage
+    )
     if not request.stream:
-        async with contextlib.aclosing(_merged(opened)) as merged:
-            async for i, chunk in merged:
-                samples[i][chunk.index].feed(chunk)
+        await collect(ctx, opened.chunks(), framer)
         _finish_ctx(ctx, opened, samples)
         choices = []
         for i in range(len(prompts)):
@@ -718,17 +688,14 @@ async def run_completions(
             "choices": choices,
             "usage": _completion_usage(opened, samples),
         }
-    head = {"id": completion_id, "object": "text_completion", "created": created, "model": group.name}
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return _stream_completions(
-        ctx, opened, samples, builders, echoes, prompt_ids, head, logprobs is not None, include_usage
-    )
+    framer.streaming = True
+    return drive(ctx, opened.chunks(), framer)
 
 
-def _completion_usage(opened: list[_Opened], samples: list[list[RawSample]]) -> dict[str, Any]:
+def _completion_usage(opened: Batch, samples: list[list[RawSample]]) -> dict[str, Any]:
     prompt = sum(
-        (group[0].prompt_tokens or len(o.prepared.input_ids))
-        for o, group in zip(opened, samples, strict=True)
+        (group[0].prompt_tokens or len(p.input_ids))
+        for p, group in zip(opened.prepared, samples, strict=True)
     )
     completion = sum(s.tokens for group in samples for s in group)
     cached = sum(max(s.cached_tokens for s in group) for group in samples)
@@ -740,59 +707,97 @@ def _completion_usage(opened: list[_Opened], samples: list[list[RawSample]]) -> 
     }
 
 
-async def _stream_completions(
-    ctx: RequestContext,
-    opened: list[_Opened],
-    samples: list[list[RawSample]],
-    builders: list[list[_LogprobBuilder]],
-    echoes: list[str],
-    prompt_ids: list[list[int]],
-    head: dict[str, Any],
-    want_logprobs: bool,
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    n = len(samples[0])
-    prefix = b"data: " + _dumps(head)[:-1] + b',"choices":['
-    tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+class CompletionsFramer(NothingToSettle):
+    """`text_completion` chunks: the echoed prompt before a choice's first text, its text (and legacy
+    logprobs) per engine chunk, a finish chunk as it ends, then usage when asked and `[DONE]`; a
+    failure is the error event. Not streaming (`streaming` false) it only feeds the samples."""
 
-    def frame(index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
+    __slots__ = (
+        "_batch",
+        "_builders",
+        "_ctx",
+        "_echoed",
+        "_echoes",
+        "_head",
+        "_include_usage",
+        "_n",
+        "_prefix",
+        "_prompt_ids",
+        "_samples",
+        "_suffix",
+        "_want_logprobs",
+        "streaming",
+    )
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        batch: Batch,
+        samples: list[list[RawSample]],
+        builders: list[list[_LogprobBuilder]],
+        echoes: list[str],
+        prompt_ids: list[list[int]],
+        head: dict[str, Any],
+        want_logprobs: bool,
+        include_usage: bool,
+    ) -> None:
+        self._ctx = ctx
+        self._batch = batch
+        self._samples = samples
+        self._builders = builders
+        self._echoes = echoes
+        self._prompt_ids = prompt_ids
+        self._head = head
+        self._want_logprobs = want_logprobs
+        self._include_usage = include_usage
+        self._n = len(samples[0])
+        self._prefix = b"data: " + _dumps(head)[:-1] + b',"choices":['
+        self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._echoed = [[False] * self._n for _ in samples]
+        self.streaming = False
+
+    def _frame(self, index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return prefix + _dumps(choice) + tail
+        return self._prefix + _dumps(choice) + self._suffix
 
-    try:
+    def feed(self, item: tuple[int, EngineChunk]) -> bytes:
+        i, chunk = item
+        j = chunk.index
+        sample = self._samples[i][j]
+        text = sample.feed(chunk)
+        if not self.streaming:
+            return b""
         out = b""
-        echoed = [[False] * n for _ in samples]
-        async with contextlib.aclosing(_merged(opened)) as merged:
-            async for i, chunk in merged:
-                j = chunk.index
-                sample = samples[i][j]
-                text = sample.feed(chunk)
-                logprobs = None
-                if not echoed[i][j]:
-                    echoed[i][j] = True
-                    if echoes[i]:
-                        part = builders[i][j].add_prompt(prompt_ids[i]) if want_logprobs else None
-                        out += frame(i * n + j, echoes[i], part, None)
-                if want_logprobs:
-                    logprobs = builders[i][j].add(chunk.logprobs or [])
-                if text or (logprobs and logprobs["tokens"]):
-                    out += frame(i * n + j, text, logprobs, None)
-                if chunk.finished:
-                    out += frame(i * n + j, "", None, _completion_finish(sample))
-                if out:
-                    yield out
-                    out = b""
-        _finish_ctx(ctx, opened, samples)
-        if include_usage:
-            usage = _completion_usage(opened, samples)
-            out += b"data: " + _dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
-        yield out + DONE
-    except GatewayError as exc:
-        ctx.status = exc.status_code
-        yield chat_error_frame(exc)
-    except Exception as exc:  # a gateway bug must still end the stream cleanly
-        ctx.status = 500
-        yield chat_error_frame(exc)
+        index = i * self._n + j
+        if not self._echoed[i][j]:
+            self._echoed[i][j] = True
+            if self._echoes[i]:
+                builder = self._builders[i][j]
+                part = builder.add_prompt(self._prompt_ids[i]) if self._want_logprobs else None
+                out += self._frame(index, self._echoes[i], part, None)
+        logprobs = self._builders[i][j].add(chunk.logprobs or []) if self._want_logprobs else None
+        if text or (logprobs and logprobs["tokens"]):
+            out += self._frame(index, text, logprobs, None)
+        if chunk.finished:
+            out += self._frame(index, "", None, _completion_finish(sample))
+        return out
+
+    def stopped(self) -> bool:
+        return False  # stop strings are the engine's on these routes
+
+    def tail(self) -> bytes:
+        _finish_ctx(self._ctx, self._batch, self._samples)
+        out = b""
+        if self._include_usage:
+            usage = _completion_usage(self._batch, self._samples)
+            out += b"data: " + _dumps({**self._head, "choices": [], "usage": usage}) + b"\n\n"
+        return out + DONE
+
+    def error(self, exc: BaseException) -> bytes:
+        return chat_error_frame(exc)
+
+    def completion_tokens(self) -> int:
+        return sum(s.tokens for group in self._samples for s in group)
 
 
 __all__ = [

@@ -57,7 +57,7 @@ from ..observability.tracing import traced
 from ..storage.base import MAX_CONVERSATION_ITEMS, StoredResponse
 from .background import ACTIVE_STATUSES, RUNNER_KEY
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
-from .context import GatewayState, PreparedRequest, RequestContext
+from .context import GatewayState, PreparedRequest, RequestContext, detached_context, run_cleanups
 from .dispatch import dispatch
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
@@ -883,8 +883,11 @@ async def start_background(
     await persist_status(state, plan, queued)
     await feed.publish(builder.take_events())
     await feed.flush()  # the log exists as soon as the response does
+    # Its own context: the HTTP request's clean-up (the client leaving) must never close the engine
+    # stream or tool connections this task still uses.
+    task_ctx = detached_context(ctx)
     state.background.start(
-        plan.response_id, _run_background(state, plan, ctx, builder, feed), feed, state.store
+        plan.response_id, _run_background(state, plan, task_ctx, builder, feed), feed, state.store
     )
     if plan.request.stream:
         return stream_stored_events(
@@ -968,6 +971,7 @@ async def _run_background(
             return
         await feed.publish(builder.take_events())
     finally:
+        await run_cleanups(ctx)  # this task's own engine streams
         if state.metrics is not None:
             state.metrics.observe_harmony(plan.parsers)
 

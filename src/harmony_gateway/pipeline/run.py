@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -10,9 +9,10 @@ from typing import Any
 from ..api.schemas.chat import ChatCompletionRequest
 from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk
-from ..errors import GatewayError, NoHealthyWorker
+from ..errors import NoHealthyWorker
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
+from .drive import NothingToSettle, collect, drive, open_generation
 from .parse_output import ChoiceOutput
 from .prepare import prepare_chat, prompt_cache_key_of
 from .reasoning_budget import budget_exceeded, with_reasoning_budget
@@ -83,17 +83,11 @@ async def run_chat(
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
     # 2) select, 3) build, 4) dispatch: the first chunk arrives before any response byte is sent
-    chunks, first = await _open_stream(state, prepared, ctx, stream=engine_stream)
+    source = await open_generation(state, prepared, ctx, stream=engine_stream)
     if not request.stream:
         # 5) parse and 6) respond, in one body
-        async with contextlib.aclosing(chunks):
-            pending = [first] if first is not None else []
-            for chunk in pending:
-                choices[chunk.index].feed(chunk)
-            async for chunk in chunks:
-                choices[chunk.index].feed(chunk)
-                if prepared.stop_strings and all(c.finished or c.stop_hit for c in choices):
-                    break
+        collector = ChatCollector(prepared, choices)
+        await collect(ctx, source, collector)
         for choice in choices:
             choice.close()
             if prepared.after_turn is not None:
@@ -117,61 +111,119 @@ async def run_chat(
         include_usage=include_usage,
         reasoning_mode=state.settings.reasoning_fields,
     )
-    return _stream_chat(prepared, ctx, chunks, first, writer, choices, include_usage)
+    # 5) parse and 6) respond, per engine chunk; errors after the headers become a final error event
+    framer = ChatFramer(prepared, ctx, writer, choices, include_usage)
+    head = b"".join(writer.role_chunk(i) for i in range(len(choices)))
+    return drive(ctx, source, framer, head)
 
 
-async def _stream_chat(
-    prepared: PreparedRequest,
-    ctx: RequestContext,
-    chunks: AsyncIterator[EngineChunk],
-    first: EngineChunk | None,
-    writer: ChatStreamWriter,
-    choices: list[ChoiceOutput],
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    """5) parse and 6) respond, per engine chunk. Errors after the headers become a final error event."""
-    async with contextlib.aclosing(chunks):
-        try:
-            head = b"".join(writer.role_chunk(i) for i in range(len(choices)))
-            pending = [first] if first is not None else []
-            emitted_finish = [False] * len(choices)
-            iterator = _chain(pending, chunks)
-            async for chunk in iterator:
-                choice = choices[chunk.index]
-                deltas = choice.feed(chunk)
-                out = writer.deltas(chunk.index, deltas) if deltas else b""
-                if (choice.finished or choice.stop_hit) and not emitted_finish[chunk.index]:
-                    if choice.stop_hit:
-                        out += writer.deltas(chunk.index, choice.close())
-                    if prepared.after_turn is not None:
-                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-                    emitted_finish[chunk.index] = True
-                    out += writer.finish_chunk(chunk.index, choice.finish_reason)
-                if head:
-                    out, head = head + out, b""
-                if out:
-                    yield out
-                if prepared.stop_strings and all(emitted_finish):
-                    break  # leaving the loop aborts the engine request
-            tail = b""
-            for choice in choices:
-                if not emitted_finish[choice.index]:
-                    tail += writer.deltas(choice.index, choice.close())
-                    if prepared.after_turn is not None:
-                        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-                    tail += writer.finish_chunk(choice.index, choice.finish_reason)
-            if include_usage:
-                usage = chat_usage(choices, len(prepared.input_ids))
-                _note_budget(usage, prepared, ctx)
-                ctx.completion_tokens = usage["completion_tokens"]
-                tail += writer.usage_chunk(usage)
-            yield head + tail + DONE
-        except GatewayError as exc:
-            ctx.status = exc.status_code
-            yield chat_error_frame(exc)
-        except Exception as exc:  # a gateway bug must still end the stream cleanly
-            ctx.status = 500
-            yield chat_error_frame(exc)
+class ChatCollector(NothingToSettle):
+    """Chat Completions as one JSON body: the choices parse every chunk; the body is built after."""
+
+    __slots__ = ("_choices", "_stops")
+
+    def __init__(self, prepared: PreparedRequest, choices: list[ChoiceOutput]) -> None:
+        self._choices = choices
+        self._stops = bool(prepared.stop_strings)
+
+    def feed(self, chunk: EngineChunk) -> bytes:
+        self._choices[chunk.index].feed(chunk)
+        return b""
+
+    def stopped(self) -> bool:
+        return self._stops and all(c.finished or c.stop_hit for c in self._choices)
+
+    def tail(self) -> bytes:
+        return b""
+
+    def error(self, exc: BaseException) -> bytes:
+        return b""  # never streamed: a failure is the HTTP error
+
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens or c.parser.output_tokens for c in self._choices)
+
+
+class ChatFramer:
+    """Chat Completions chunks: deltas per engine chunk, a finish chunk per choice as it ends (a stop
+    string ends it early), then usage when asked and `[DONE]`; a failure is the error chunk."""
+
+    __slots__ = (
+        "_choices",
+        "_ctx",
+        "_emitted",
+        "_ended",
+        "_include_usage",
+        "_prepared",
+        "_writer",
+        "unsettled",
+    )
+
+    def __init__(
+        self,
+        prepared: PreparedRequest,
+        ctx: RequestContext,
+        writer: ChatStreamWriter,
+        choices: list[ChoiceOutput],
+        include_usage: bool,
+    ) -> None:
+        self._prepared = prepared
+        self._ctx = ctx
+        self._writer = writer
+        self._choices = choices
+        self._include_usage = include_usage
+        self._emitted = [False] * len(choices)
+        self._ended: list[ChoiceOutput] = []  # finished choices whose after-turn work is due
+        self.unsettled = False
+
+    def _ending(self, choice: ChoiceOutput) -> None:
+        if self._prepared.after_turn is not None:
+            self._ended.append(choice)
+            self.unsettled = True
+
+    async def settle(self) -> None:
+        """The after-turn work (restorable analysis) of the choices that just ended, before their finish
+        chunks go out."""
+        ended, self._ended = self._ended, []
+        self.unsettled = False
+        for choice in ended:
+            await self._prepared.after_turn(choice)
+
+    def feed(self, chunk: EngineChunk) -> bytes:
+        writer = self._writer
+        index = chunk.index
+        choice = self._choices[index]
+        deltas = choice.feed(chunk)
+        out = writer.deltas(index, deltas) if deltas else b""
+        if (choice.finished or choice.stop_hit) and not self._emitted[index]:
+            if choice.stop_hit:
+                out += writer.deltas(index, choice.close())
+            self._ending(choice)
+            self._emitted[index] = True
+            out += writer.finish_chunk(index, choice.finish_reason)
+        return out
+
+    def stopped(self) -> bool:
+        return bool(self._prepared.stop_strings) and all(self._emitted)
+
+    def tail(self) -> bytes:
+        writer = self._writer
+        tail = b""
+        for choice in self._choices:
+            if not self._emitted[choice.index]:
+                tail += writer.deltas(choice.index, choice.close())
+                self._ending(choice)
+                tail += writer.finish_chunk(choice.index, choice.finish_reason)
+        if self._include_usage:
+            usage = chat_usage(self._choices, len(self._prepared.input_ids))
+            _note_budget(usage, self._prepared, self._ctx)
+            tail += writer.usage_chunk(usage)
+        return tail + DONE
+
+    def error(self, exc: BaseException) -> bytes:
+        return chat_error_frame(exc)
+
+    def completion_tokens(self) -> int:
+        return sum(c.completion_tokens or c.parser.output_tokens for c in self._choices)
 
 
 def _note_budget(usage: dict[str, Any], prepared: PreparedRequest, ctx: RequestContext) -> None:

@@ -30,8 +30,9 @@ MAX_TOOLS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
-#: Prompts in one /v1/completions or /generate batch (times `n`, the engine requests it fans out to).
-MAX_BATCH_PROMPTS = 256
+#: A ceiling on the prompts of one /v1/completions or /generate batch, checked before they are validated;
+#: `--max-batch-size` (prompts times `n`) is the operator's own, lower, cap.
+MAX_BATCH_PROMPTS = 4096
 #: OpenAI's metadata rules: at most 16 pairs, keys up to 64 characters, string values up to 512.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

@@ -1,0 +1,155 @@
+"""The stream driver: the one loop that owns the life of a generation once it is open.
+
+A surface opens its engine stream(s) with `open_generation` (dispatch, then the first chunk, so a
+failure before any output is an HTTP error) or with a `batch.Batch`, and hands the source to `drive`
+(a streamed body) or `collect` (a JSON body) together with its `Framer`: what turns chunks into that
+wire's bytes, when every choice has stopped early (stop strings), the closing frames and the wire's
+terminal error frame. The driver feeds every chunk, stops reading once the framer says so, closes the
+source on every exit (which aborts the engine request: a client that left, a failure, an early stop),
+turns a failure after the first byte into the framer's error frame, and records the request's
+completion tokens once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol, TypeVar
+
+from ..engines.base import EngineChunk
+from ..errors import GatewayError, NoHealthyWorker
+from .context import GatewayState, PreparedRequest, RequestContext
+from .dispatch import dispatch
+from .reasoning_budget import with_reasoning_budget
+
+log = logging.getLogger(__name__)
+
+Item = TypeVar("Item", contravariant=True)
+T = TypeVar("T")
+
+
+class Framer(Protocol[Item]):
+    """A surface's side of a generation: parse what arrives and frame it for its wire.
+
+    `feed` takes one item of the source (an engine chunk, or `(prompt index, chunk)` for a batch) and
+    returns the bytes to send now (b"" for a JSON body, which is built from the framer afterwards)."""
+
+    def feed(self, item: Item) -> bytes: ...
+
+    def stopped(self) -> bool:
+        """True once every choice has ended early (a stop string): the rest is not read (and aborted)."""
+        ...
+
+    def tail(self) -> bytes:
+        """Closing frames after the last item (finish, usage, the end-of-stream marker)."""
+        ...
+
+    def error(self, exc: BaseException) -> bytes:
+        """The wire's terminal error frame for a failure after the first byte."""
+        ...
+
+    def completion_tokens(self) -> int:
+        """Tokens generated so far (recorded once, at the end)."""
+        ...
+
+    #: True when `settle` has work to do before the bytes `feed` or `tail` just returned go out.
+    unsettled: bool
+
+    async def settle(self) -> None:
+        """Asynchronous work a choice's end needs before the client sees it end (storing what a later
+        request restores); the driver awaits it only while `unsettled`."""
+        ...
+
+
+class NothingToSettle:
+    """For framers whose choices need no asynchronous work when they end."""
+
+    __slots__ = ()
+    unsettled = False
+
+    async def settle(self) -> None:
+        return None
+
+
+async def open_generation(
+    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, *, stream: bool
+) -> AsyncIterator[EngineChunk]:
+    """Dispatch `prepared` and wait for the first chunk, so failures before any output are raised here
+    (real HTTP errors). Returns the whole chunk stream, first chunk included; closing it aborts the
+    engine request, and the request's clean-up closes it if the body never starts."""
+    if not prepared.group.has_available_worker():
+        raise NoHealthyWorker(f"no healthy worker serves model {prepared.group.name!r}")
+    if prepared.max_reasoning_tokens is not None:
+        stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
+    # Both `dispatch` and the budgeted stream are async generators: closing one aborts the request.
+    chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
+    ctx.cleanups.append(chunks.aclose)  # idempotent; aborts the engine request if nothing else did
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        return _empty()
+    except BaseException:
+        await chunks.aclose()
+        raise
+    return _prepend(first, chunks)
+
+
+async def _empty() -> AsyncIterator[EngineChunk]:
+    return
+    yield  # an async generator with nothing to give
+
+
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first`, then `rest`; closing it closes `rest`."""
+    async with contextlib.aclosing(rest):  # type: ignore[type-var]
+        yield first
+        async for item in rest:
+            yield item
+
+
+async def drive(
+    ctx: RequestContext, source: AsyncIterator[T], framer: Framer[T], head: bytes = b""
+) -> AsyncIterator[bytes]:
+    """A streamed body: `head`, then each item's frames as they form, then the tail. A failure becomes
+    the framer's error frame (after `head` was sent, the status is already 200) and sets `ctx.status`;
+    the source is closed on every exit, a client leaving included."""
+    async with contextlib.aclosing(source):  # type: ignore[type-var]
+        try:
+            out = head
+            async for item in source:
+                out += framer.feed(item)
+                if framer.unsettled:
+                    await framer.settle()
+                if out:
+                    yield out
+                    out = b""
+                if framer.stopped():
+                    break  # leaving the loop closes the source, which aborts the engine request
+            ctx.completion_tokens = framer.completion_tokens()
+            out += framer.tail()
+            if framer.unsettled:
+                await framer.settle()
+            yield out
+        except GatewayError as exc:
+            ctx.status = exc.status_code
+            ctx.completion_tokens = framer.completion_tokens()
+            yield framer.error(exc)
+        except Exception as exc:  # a gateway bug must still end the stream with the wire's error
+            log.exception("stream of %s failed", ctx.request_id, exc_info=exc)
+            ctx.status = 500
+            yield framer.error(exc)
+
+
+async def collect(ctx: RequestContext, source: AsyncIterator[T], framer: Framer[T]) -> None:
+    """A JSON body: feed every item (stopping early when the framer says so) and close the source;
+    failures propagate as HTTP errors. The caller builds the body from the framer."""
+    async with contextlib.aclosing(source):  # type: ignore[type-var]
+        async for item in source:
+            framer.feed(item)
+            if framer.stopped():
+                break
+    ctx.completion_tokens = framer.completion_tokens()
+
+
+__all__ = ["Framer", "NothingToSettle", "collect", "drive", "open_generation"]
