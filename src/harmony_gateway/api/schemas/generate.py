@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import BATCH, MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
+from .limits import MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
 
 #: SGLang's default for `max_new_tokens`; OpenAI's (and vLLM's) for completions `max_tokens`.
 SGLANG_MAX_NEW_TOKENS = 128
@@ -47,8 +47,8 @@ class SglangSamplingParams(_Open):
 class GenerateRequest(_Open):
     #: Not an SGLang field: picks the model when the gateway serves several (else the only one).
     model: str | None = None
-    text: Annotated[str | list[str] | None, BATCH] = None
-    input_ids: Annotated[list[int] | list[list[int]] | None, BATCH] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SglangSamplingParams = Field(default_factory=SglangSamplingParams)
     stream: bool = False
     return_logprob: bool = False
@@ -62,7 +62,7 @@ class StreamOptions(_Open):
 
 class CompletionRequest(_Open):
     model: str
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BATCH]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)

@@ -30,9 +30,6 @@ MAX_TOOLS = 512
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
-#: A ceiling on the prompts of one /v1/completions or /generate batch, checked before they are validated;
-#: `--max-batch-size` (prompts times `n`) is the operator's own, lower, cap.
-MAX_BATCH_PROMPTS = 4096
 #: OpenAI's metadata rules: at most 16 pairs, keys up to 64 characters, string values up to 512.
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -62,16 +59,6 @@ def _check_stop(value: Any) -> Any:
             raise ValueError(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters")
     return value
 
-
-def _check_batch(value: Any) -> Any:
-    # A list of token ids is one prompt; a list of strings or of id lists is a batch.
-    if isinstance(value, list) and len(value) > MAX_BATCH_PROMPTS and not isinstance(value[0], int):
-        raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts are accepted in one batch, got {len(value)}")
-    return value
-
-
-#: A batch of prompts (`/v1/completions` `prompt`, `/generate` `text` and `input_ids`).
-BATCH = BeforeValidator(_check_batch)
 
 #: `stop` (a string or a list of them) and Anthropic's `stop_sequences`.
 StopParam = Annotated[str | list[str], BeforeValidator(_check_stop)]
