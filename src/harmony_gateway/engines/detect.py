@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from ..errors import UpstreamError, UpstreamUnavailable
-from .base import EngineChunk, EngineClient, GenerateRequest, ModelInfo
+from .base import EngineChunk, EngineClient, GenerateRequest, ModelInfo, redact_url
 from .sglang_grpc import SglangGrpcClient
 from .vllm_grpc import VllmGrpcClient
 
@@ -78,14 +78,16 @@ class DetectingGrpcClient:
         inner = await self.resolve(timeout)
         fetch = getattr(inner, "get_tokenizer", None)
         if fetch is None:
-            raise UpstreamError(f"the {inner.engine} engine at {self.url} cannot send its tokenizer")
+            raise UpstreamError(
+                f"the {inner.engine} engine at {redact_url(self.url)} cannot send its tokenizer"
+            )
         data: bytes = await fetch(timeout=timeout)
         return data
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._inner is None:
             # Unreachable in practice: a worker takes traffic only after a probe, which detects.
-            raise UpstreamUnavailable(f"the engine protocol of {self.url} is not known yet")
+            raise UpstreamUnavailable(f"the engine protocol of {redact_url(self.url)} is not known yet")
         return self._inner.generate(request)
 
     async def abort(self, request_id: str) -> None:

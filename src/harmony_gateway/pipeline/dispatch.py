@@ -36,7 +36,7 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
         try:
             await worker.client.abort(request_id)
         except Exception as exc:  # the request is gone either way; never mask the original error
-            log.debug("abort of %s on %s failed: %s", request_id, worker.url, exc)
+            log.debug("abort of %s on %s failed: %s", request_id, worker.public_url, exc)
 
 
 async def _first_then_rest(
