@@ -75,7 +75,9 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
                 if admin.started or admin_task.done():
                     break
                 await asyncio.sleep(0.01)
-            admin_task.result() if admin_task.done() else None
+            if admin_task.done():
+                admin_task.result()
+                raise RuntimeError("admin listener did not start")
             admin_port = admin.servers[0].sockets[0].getsockname()[1]
             admin_url = f"http://{settings.admin_host}:{admin_port}"
         yield RunningGateway(url=f"http://127.0.0.1:{port}", app=app, server=server, admin_url=admin_url)
