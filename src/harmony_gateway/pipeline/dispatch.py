@@ -78,7 +78,7 @@ async def _generate_pd(
 
     prefill_task.add_done_callback(_on_prefill_done)
     try:
-        async for chunk in _first_then_rest(decode.client.generate(request), timeout, decode.url):
+        async for chunk in _first_then_rest(decode.client.generate(request), timeout, decode.public_url):
             if chunk.finished and not chunk.prompt_tokens and prefill_task.done():
                 prefill_last = prefill_task.result()
                 if prefill_last is not None:
@@ -138,7 +138,9 @@ async def dispatch(
             w.in_flight += 1
         try:
             if prefill is None:
-                chunks = _first_then_rest(worker.client.generate(request), timeouts.first_token, worker.url)
+                chunks = _first_then_rest(
+                    worker.client.generate(request), timeouts.first_token, worker.public_url
+                )
             else:
                 chunks = _generate_pd(worker, prefill, request, timeouts.first_token)
             # The total deadline is on the engine call itself (the gRPC deadline, httpx's read timeout);
@@ -156,7 +158,7 @@ async def dispatch(
                             ctx.first_token_at = time.perf_counter()
                     elif now > deadline:
                         raise UpstreamTimeout(
-                            f"engine at {worker.url} did not finish within {timeouts.total:g} s"
+                            f"engine at {worker.public_url} did not finish within {timeouts.total:g} s"
                         )
                     elif stream:
                         tuner.observe(worker, now - previous, len(chunk.token_ids))
