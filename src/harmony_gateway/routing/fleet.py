@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import EngineClient, ModelInfo
+from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
-from .workers import Worker, WorkerKind, redact_url
+from .workers import Worker, WorkerKind
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,9 @@ addresses; link-local ones (169.254.169.254, the cloud metadata service), multic
 addresses stay refused unless listed. Workers given on the command line are trusted operator config and
 are not checked.
 
+Known limit, as for MCP: the engine client resolves the host again when it connects, so a DNS answer that
+changes after the check (rebinding) is not caught here; list addresses rather than names where it matters.
+
 Credentials in a worker URL (`http://user:pass@host`) are the engine's business only: metrics, logs and
 API answers show `Worker.public_url` (routing/workers.py `redact_url`).
 """
