@@ -10,7 +10,7 @@ it on the admin listener or fetch /openapi.json with the key.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -46,14 +46,17 @@ class RenderRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    api: str = Field(description="chat, responses or messages")
-    request: dict[str, Any]
+    api: Literal["chat", "responses", "messages"] = Field(description="the API the request is for")
+    request: dict[str, Any] = Field(description="the request body that API would receive")
 
 
 class ParseRequest(BaseModel):
-    """`POST /v1/harmony/parse`: completion tokens or text to parse as Harmony."""
+    """`POST /v1/harmony/parse`: completion tokens or text to parse as Harmony (exactly one of them)."""
 
     model_config = ConfigDict(extra="allow")
+
+    token_ids: list[int] | None = None
+    text: str | None = None
 
 
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
