@@ -19,6 +19,7 @@ from .api.anthropic import router as anthropic_router
 from .api.error_responses import install_error_handlers
 from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
+from .api.openapi import install_openapi
 from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
@@ -183,7 +184,12 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
 
     # No trailing-slash redirects: `DELETE /v1/responses/` is a 404 error body, not a 307 to another route.
     app = FastAPI(
-        title="harmony-gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None, redirect_slashes=False
+        title="harmony-gateway",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
     )
     control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV))
     drain.current_control = control
@@ -201,4 +207,6 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.include_router(anthropic_router)
     app.include_router(generate_router)
     app.include_router(inspector_router)
+    # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
+    install_openapi(app)
     return app

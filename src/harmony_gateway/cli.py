@@ -97,6 +97,14 @@ def _api_keys(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(keys)
 
 
+def _admin_keys(args: argparse.Namespace) -> frozenset[str]:
+    keys = set(args.admin_key or ())
+    env = os.environ.get("HARMONY_GATEWAY_ADMIN_KEYS")
+    if env:
+        keys.update(k.strip() for k in env.split(",") if k.strip())
+    return frozenset(keys)
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     harmony_models = _split_list(args.harmony_models) + _split_list([os.environ.get("HARMONY_MODELS", "")])
     return Settings(
@@ -141,6 +149,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         storage_schema=args.storage_schema,
         storage_retention=args.storage_retention,
         api_keys=_api_keys(args),
+        admin_keys=_admin_keys(args),
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        worker_allow_hosts=tuple(_split_list(args.worker_allow_hosts)),
+        protect_metrics=args.protect_metrics,
         log_level=args.log_level,
         log_json=args.log_json,
         log_prompts=args.log_prompts,
@@ -208,6 +221,8 @@ def invalid_setting(settings: Settings) -> str | None:
         return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
     if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):
         return "--rate-limit-store expects redis://host:port/db"
+    if settings.protect_metrics and not settings.admin_keys and settings.admin_port is None:
+        return "--protect-metrics needs the admin credential: pass --admin-key KEY or --admin-port PORT"
     return None
 
 
@@ -372,6 +387,36 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key-file",
         default=None,
         help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P",
+    )
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        metavar="KEY",
+        help="bearer key for the admin plane: /workers, and /metrics and /docs with --protect-metrics "
+        "(repeatable; also HARMONY_GATEWAY_ADMIN_KEYS); tenant --api-key keys never open it",
+    )
+    p.add_argument(
+        "--admin-host",
+        default="127.0.0.1",
+        help="address of the admin listener started by --admin-port (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin routes on this separate port only (the main port then refuses them)",
+    )
+    p.add_argument(
+        "--worker-allow-hosts",
+        action="append",
+        metavar="HOSTS",
+        help="hosts a worker registered with POST /workers may resolve to even if private or loopback "
+        "(comma-separated names, addresses or CIDR networks)",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics, /docs and /openapi.json require the admin credential",
     )
     p.add_argument(
         "--mcp-config", default=None, metavar="FILE", help="YAML file of gateway-configured MCP servers"
@@ -710,10 +755,27 @@ async def _serve(settings: Settings, demo: bool) -> None:
             flush=True,
         )
     try:
-        await server.serve()
+        if settings.admin_port is None:
+            await server.serve()
+        else:
+            await _serve_with_admin_listener(server, app, settings)
     finally:
         if sim is not None:
             await sim.stop()
+
+
+async def _serve_with_admin_listener(server: Any, app: Any, settings: Settings) -> None:
+    from .api.admin import admin_server
+
+    assert settings.admin_port is not None
+    admin = admin_server(app, settings.admin_host, settings.admin_port, settings.log_level)
+    # The admin listener answers 503 until the main server's lifespan has built the app's state.
+    admin_task = asyncio.create_task(admin.serve())
+    try:
+        await server.serve()
+    finally:
+        admin.should_exit = True
+        await admin_task
 
 
 def _with_workers(settings: Settings, urls: tuple[str, ...]) -> Settings:
@@ -894,6 +956,8 @@ _ARGV_ENV = "HARMONY_GATEWAY_SERVE_ARGV"
 def _multiprocess_problem(settings: Settings, demo: bool) -> str | None:
     if demo:
         return "--demo runs in one process"
+    if settings.admin_port is not None:
+        return "the admin listener (--admin-port) runs in one process; use --admin-key instead"
     url = settings.storage_url or ""
     if url.startswith("memory:"):
         # Each process would keep its own responses and conversations: a follow-up that lands on

@@ -3,6 +3,7 @@
     GatewayError
     ├── InvalidRequest            400  (param names the offending field)
     ├── AuthenticationFailed      401
+    ├── PermissionDenied          403  (a valid key that may not use this route: the admin plane)
     ├── NotFound                  404
     │   └── ModelNotFound         404  code model_not_found
     ├── RequestTimeout            408  (the client sent its body too slowly)
@@ -55,6 +56,14 @@ class AuthenticationFailed(GatewayError):
     status_code = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    """Raised when a known key asks for a route it may not use (a tenant key on the admin plane)."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "permission_denied"
 
 
 class NotFound(GatewayError):

@@ -77,6 +77,18 @@ class Settings:
     #: Stored responses older than this many seconds are purged (None keeps them).
     storage_retention: float | None = None
     api_keys: frozenset[str] = frozenset()
+    #: Keys for the admin plane (worker management, and /metrics and /docs under `protect_metrics`);
+    #: distinct from `api_keys`: a tenant key never opens an admin route (api/admin.py).
+    admin_keys: frozenset[str] = frozenset()
+    #: A second listener serving the admin routes (`--admin-port`); None: no admin listener. 0 picks
+    #: a free port (tests).
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    #: Hosts (names, addresses, CIDR networks) a worker registered through `POST /workers` may resolve
+    #: to although not public; workers given on the command line are trusted operator config.
+    worker_allow_hosts: tuple[str, ...] = ()
+    #: /metrics, /docs and /openapi.json require the admin credential.
+    protect_metrics: bool = False
     log_level: str = "info"
     log_json: bool = False
     log_prompts: bool = False

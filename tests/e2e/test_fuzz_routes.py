@@ -476,8 +476,14 @@ async def test_fuzz_route(http: httpx.AsyncClient, route: Route) -> None:
 async def test_fuzz_worker_routes(sim: RunningSim) -> None:
     """On a gateway of its own: fuzzed registrations must not leave the shared fleet with stray workers."""
     async with (
-        running_gateway(test_settings(worker_urls=(sim.url,))) as gw,
-        httpx.AsyncClient(base_url=gw.url, timeout=REQUEST_TIMEOUT) as http,
+        running_gateway(
+            test_settings(
+                worker_urls=(sim.url,), admin_keys=frozenset({"sk-admin"}), worker_allow_hosts=("127.0.0.1",)
+            )
+        ) as gw,
+        httpx.AsyncClient(
+            base_url=gw.url, timeout=REQUEST_TIMEOUT, headers={"authorization": "Bearer sk-admin"}
+        ) as http,
     ):
         ids = await fresh_ids(http)
         for route in WORKER_ROUTES:

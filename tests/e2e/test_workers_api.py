@@ -11,13 +11,20 @@ from tests.support.servers import running_gateway
 from tests.support.servers import test_settings as gateway_settings
 
 FAST = {"health_interval": 0.2, "health_timeout": 0.5}
+ADMIN_KEY = "sk-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+#: The admin plane, with the sim engines' loopback host allowed for registered workers.
+ADMIN_PLANE = {"admin_keys": frozenset({ADMIN_KEY}), "worker_allow_hosts": ("127.0.0.1",)}
 
 
 async def test_add_list_and_remove_workers() -> None:
     async with sims(SimConfig(), SimConfig(), SimConfig(engine="vllm")) as engines:
         first, second, third = engines
-        settings = gateway_settings(worker_urls=(first.url,), policy="round_robin", **FAST)
-        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        settings = gateway_settings(worker_urls=(first.url,), policy="round_robin", **FAST, **ADMIN_PLANE)
+        async with (
+            running_gateway(settings) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as http,
+        ):
             listed = (await http.get("/workers")).json()["data"]
             assert [(w["url"], w["kind"], w["model"], w["healthy"]) for w in listed] == [
                 (first.url, "regular", MODEL, True)
@@ -60,8 +67,11 @@ async def test_add_worker_errors_and_unreachable_worker() -> None:
     async with sims(SimConfig()) as (engine,):
         async with sims(SimConfig()) as (gone,):
             dead_url = gone.url
-        settings = gateway_settings(worker_urls=(engine.url,), **FAST)
-        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        settings = gateway_settings(worker_urls=(engine.url,), **FAST, **ADMIN_PLANE)
+        async with (
+            running_gateway(settings) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as http,
+        ):
             r = await http.post("/workers", json={"url": engine.url, "kind": "regular"})
             assert r.status_code == 409 and r.json()["error"]["param"] == "url"
             r = await http.post("/workers", json={"url": "ftp://example.com:80"})
@@ -80,23 +90,32 @@ async def test_add_worker_errors_and_unreachable_worker() -> None:
             assert (await chat(http)).status_code == 200  # the unreachable worker takes no traffic
 
 
-async def test_worker_api_requires_a_key_when_keys_are_configured() -> None:
+async def test_worker_api_needs_the_admin_key_not_a_tenant_key() -> None:
     async with sims(SimConfig()) as (engine,):
-        settings = gateway_settings(worker_urls=(engine.url,), api_keys=frozenset({"sk-admin"}), **FAST)
+        settings = gateway_settings(
+            worker_urls=(engine.url,), api_keys=frozenset({"sk-tenant"}), **FAST, **ADMIN_PLANE
+        )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
             assert (await http.get("/workers")).status_code == 401
             assert (await http.post("/workers", json={"url": engine.url})).status_code == 401
             assert (await http.delete("/workers/w1")).status_code == 401
-            auth = {"authorization": "Bearer sk-admin"}
-            assert (await http.get("/workers", headers=auth)).status_code == 200
-            assert (await http.delete("/workers/nope", headers=auth)).status_code == 404
-            assert (await http.get("/metrics")).status_code == 200  # scrapes need no key
+            tenant = {"authorization": "Bearer sk-tenant"}
+            r = await http.get("/workers", headers=tenant)
+            assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+            # The admin key is not a tenant key either.
+            assert (await http.get("/v1/models", headers=ADMIN)).status_code == 401
+            assert (await http.get("/workers", headers=ADMIN)).status_code == 200
+            assert (await http.delete("/workers/nope", headers=ADMIN)).status_code == 404
+            assert (await http.get("/metrics")).status_code == 200  # scrapes need no key by default
 
 
 async def test_worker_changes_are_refused_when_several_processes_serve() -> None:
     async with sims(SimConfig(), SimConfig()) as (first, second):
-        settings = gateway_settings(worker_urls=(first.url,), processes=4, **FAST)
-        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        settings = gateway_settings(worker_urls=(first.url,), processes=4, **FAST, **ADMIN_PLANE)
+        async with (
+            running_gateway(settings) as gw,
+            httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as http,
+        ):
             (listed,) = (await http.get("/workers")).json()["data"]
             for r in (
                 await http.post("/workers", json={"url": second.url, "kind": "regular"}),

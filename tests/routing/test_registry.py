@@ -41,6 +41,7 @@ def test_exported_members() -> None:
         "random_policy",
         "registry",
         "round_robin",
+        "url_policy",
         "workers",
     }
     assert public - modules == set(routing.__all__)

@@ -10,6 +10,7 @@ from typing import Any
 
 import uvicorn
 
+from harmony_gateway.api.admin import admin_server
 from harmony_gateway.api.http_protocol import server_options
 from harmony_gateway.app import create_app
 from harmony_gateway.settings import Settings
@@ -22,6 +23,8 @@ class RunningGateway:
     url: str
     app: Any
     server: uvicorn.Server
+    #: The admin listener's URL when `settings.admin_port` is set (0 picks a free port).
+    admin_url: str | None = None
 
     @property
     def state(self) -> Any:
@@ -61,6 +64,8 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
+    admin: uvicorn.Server | None = None
+    admin_task: asyncio.Task[None] | None = None
     try:
         for _ in range(500):
             if server.started or task.done():
@@ -70,8 +75,25 @@ async def running_gateway(settings: Settings) -> AsyncIterator[RunningGateway]:
             task.result()
             raise RuntimeError("gateway did not start")
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield RunningGateway(url=f"http://127.0.0.1:{port}", app=app, server=server)
+        admin_url = None
+        if settings.admin_port is not None:
+            admin = admin_server(app, settings.admin_host, settings.admin_port, "warning")
+            admin_task = asyncio.create_task(admin.serve())
+            for _ in range(500):
+                if admin.started or admin_task.done():
+                    break
+                await asyncio.sleep(0.01)
+            if admin_task.done():
+                admin_task.result()
+                raise RuntimeError("admin listener did not start")
+            admin_port = admin.servers[0].sockets[0].getsockname()[1]
+            admin_url = f"http://{settings.admin_host}:{admin_port}"
+        yield RunningGateway(url=f"http://127.0.0.1:{port}", app=app, server=server, admin_url=admin_url)
     finally:
+        if admin is not None:
+            admin.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(admin_task, 10)
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)

@@ -4,8 +4,9 @@
 traffic as soon as the 201 arrives if it was healthy; an unreachable worker is still registered (healthy
 false) and the health checker keeps probing it. Under `serve --workers N` (N > 1) each process holds its
 own worker set, so `POST` and `DELETE` answer 409: a change would reach only the process that took the
-call. The worker endpoints require an API key when keys are configured; `/metrics` is open, for
-Prometheus.
+call. The worker endpoints are the admin plane (api/admin.py): they need the admin credential, and a
+registered URL must pass the worker host policy (routing/url_policy.py). `/metrics` is open, for
+Prometheus, unless `--protect-metrics` puts it behind the admin credential too.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import Conflict, InvalidRequest
+from ..mcp.security import HostAllowList
 from ..pipeline.context import GatewayState
+from ..routing.url_policy import check_worker_url
 from ..routing.workers import WorkerKind
-from .routes import gateway, json_body, json_response, owner_of
+from .admin import on_admin_listener, require_admin
+from .routes import gateway, json_body, json_response
 
 router = APIRouter()
 
@@ -46,7 +50,7 @@ def _refuse_in_multiprocess_mode(state: GatewayState) -> None:
 @router.get("/workers")
 async def list_workers(request: Request) -> Response:
     state = gateway(request)
-    owner_of(state, request)
+    require_admin(state.settings, request)
     return json_response({"object": "list", "data": [w.to_dict() for w in state.fleet.all_workers()]})
 
 
@@ -56,12 +60,14 @@ async def create_worker(request: Request) -> Response:
     from ..app import add_worker
 
     state = gateway(request)
-    owner_of(state, request)
+    require_admin(state.settings, request)
     _refuse_in_multiprocess_mode(state)
     body = await json_body(request)
     url = _field(body, "url")
     if not url:
         raise InvalidRequest("'url' is required, e.g. grpc://host:port", param="url")
+    allow = HostAllowList(state.settings.worker_allow_hosts)
+    await check_worker_url(url, allow, admin_listener=on_admin_listener(request))
     kind_name = _field(body, "kind", WorkerKind.REGULAR.value)
     try:
         kind = WorkerKind(kind_name or "")  # null is an unknown kind too
@@ -77,7 +83,7 @@ async def create_worker(request: Request) -> Response:
 @router.delete("/workers/{worker_id}")
 async def delete_worker(worker_id: str, request: Request) -> Response:
     state = gateway(request)
-    owner_of(state, request)
+    require_admin(state.settings, request)
     _refuse_in_multiprocess_mode(state)
     worker = await state.fleet.remove(worker_id)
     return json_response({"id": worker.id, "object": "worker", "deleted": True})
@@ -86,6 +92,8 @@ async def delete_worker(worker_id: str, request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     state = gateway(request)
+    if state.settings.protect_metrics:
+        require_admin(state.settings, request)
     if state.metrics is None:
         return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
     body, content_type = state.metrics.render()

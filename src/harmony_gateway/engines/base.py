@@ -11,8 +11,20 @@ import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import InvalidRequest
+
+
+def redact_url(url: str) -> str:
+    """`url` with any `user:password@` replaced by `***@`; other URLs unchanged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url.rsplit("@", 1)[-1] if "@" in url else url
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
 @dataclass(slots=True)

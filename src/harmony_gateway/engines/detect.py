@@ -15,7 +15,14 @@ from typing import Any
 import grpc
 
 from ..errors import UpstreamError, UpstreamUnavailable
-from .base import UNKNOWN_CAPABILITIES, EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
+from .base import (
+    UNKNOWN_CAPABILITIES,
+    EngineCapabilities,
+    EngineChunk,
+    GenerateRequest,
+    ModelInfo,
+    redact_url,
+)
 from .grpc_common import GrpcEngineClient
 from .mlx_grpc import MlxGrpcClient
 from .sglang_grpc import SglangGrpcClient
@@ -99,13 +106,15 @@ class DetectingGrpcClient:
     async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
         inner = await self.resolve(timeout)
         if not inner.capabilities.tokenizer:
-            raise UpstreamError(f"the {inner.engine} engine at {self.url} cannot send its tokenizer")
+            raise UpstreamError(
+                f"the {inner.engine} engine at {redact_url(self.url)} cannot send its tokenizer"
+            )
         return await inner.get_tokenizer(timeout=timeout)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._inner is None:
             # Unreachable in practice: a worker takes traffic only after a probe, which detects.
-            raise UpstreamUnavailable(f"the engine protocol of {self.url} is not known yet")
+            raise UpstreamUnavailable(f"the engine protocol of {redact_url(self.url)} is not known yet")
         return self._inner.generate(request)
 
     async def abort(self, request_id: str) -> None:

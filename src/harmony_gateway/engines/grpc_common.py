@@ -17,7 +17,15 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from ..errors import InvalidRequest, UpstreamError
-from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, SamplingOptions, TokenLogprob
+from .base import (
+    EngineCapabilities,
+    EngineChunk,
+    GenerateRequest,
+    ModelInfo,
+    SamplingOptions,
+    TokenLogprob,
+    redact_url,
+)
 from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
@@ -85,7 +93,7 @@ class GrpcEngineClient:
     _stub_type: Callable[[grpc.aio.Channel], Any]
 
     def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
-        self.url = url
+        self.url = redact_url(url)  # for messages only
         self._channel = grpc.aio.insecure_channel(grpc_target(url), options=CHANNEL_OPTIONS)
         self._stub = self._stub_type(self._channel)
         self._request_timeout = request_timeout

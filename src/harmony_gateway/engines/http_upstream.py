@@ -38,7 +38,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -129,7 +129,8 @@ class HttpUpstreamClient:
         path = path.removesuffix("/v1")
         if api not in APIS:
             raise InvalidRequest(f"api={api!r} in {url!r}: expected one of {', '.join(APIS)}", param="url")
-        self.url = url
+        #: For messages only: the connection uses `base_url`, whose credentials must not reach logs.
+        self.url = redact_url(url)
         self.api = api
         #: Text mode: the pipeline sends `upstream_body` and reads text; the upstream does its own
         #: stops, constraints and tokenization, so nothing else is declared.

@@ -53,7 +53,7 @@ def log_request(ctx: RequestContext) -> None:
         "request_id": ctx.request_id,
         "route": ctx.route,
         "model": ctx.model,
-        "worker": ctx.worker.url if ctx.worker is not None else None,
+        "worker": ctx.worker.public_url if ctx.worker is not None else None,
         "worker_id": ctx.worker.id if ctx.worker is not None else None,
         "status": ctx.status,
         "prompt_tokens": ctx.prompt_tokens,
@@ -63,7 +63,7 @@ def log_request(ctx: RequestContext) -> None:
         **ctx.log_extra,
     }
     if ctx.prefill_worker is not None:
-        fields["prefill_worker"] = ctx.prefill_worker.url
+        fields["prefill_worker"] = ctx.prefill_worker.public_url
     if ctx.first_token_at is not None:
         fields["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 2)
     request_log.info(

@@ -63,12 +63,12 @@ class FleetCollector:
             labels=["worker", "url", "state"],
         )
         for w in self._workers():
-            values = [w.id, w.url, w.kind.value, w.model_id, w.engine]
+            values = [w.id, w.public_url, w.kind.value, w.model_id, w.engine]
             healthy.add_metric(values, 1.0 if w.healthy else 0.0)
             in_flight.add_metric(values, float(w.in_flight))
             current = w.breaker.value
             for state in BREAKER_STATES:
-                breaker.add_metric([w.id, w.url, state], 1.0 if current == state else 0.0)
+                breaker.add_metric([w.id, w.public_url, state], 1.0 if current == state else 0.0)
         yield healthy
         yield in_flight
         yield breaker

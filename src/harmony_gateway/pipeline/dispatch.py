@@ -37,7 +37,7 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
         try:
             await worker.client.abort(request_id)
         except Exception as exc:  # the request is gone either way; never mask the original error
-            log.debug("abort of %s on %s failed: %s", request_id, worker.url, exc)
+            log.debug("abort of %s on %s failed: %s", request_id, worker.public_url, exc)
 
 
 async def _first_then_rest(
@@ -81,7 +81,7 @@ async def _generate_pd(
 
     prefill_task.add_done_callback(_on_prefill_done)
     try:
-        async for chunk in _first_then_rest(decode.client.generate(request), timeout, decode.url):
+        async for chunk in _first_then_rest(decode.client.generate(request), timeout, decode.public_url):
             if chunk.finished and not chunk.prompt_tokens and prefill_task.done():
                 prefill_last = prefill_task.result()
                 if prefill_last is not None:
@@ -145,7 +145,9 @@ async def dispatch(
             w.in_flight += 1
         try:
             if prefill is None:
-                chunks = _first_then_rest(worker.client.generate(request), timeouts.first_token, worker.url)
+                chunks = _first_then_rest(
+                    worker.client.generate(request), timeouts.first_token, worker.public_url
+                )
             else:
                 chunks = _generate_pd(worker, prefill, request, timeouts.first_token)
             # The total deadline is on the engine call itself (the gRPC deadline, httpx's read timeout);
@@ -163,7 +165,7 @@ async def dispatch(
                             ctx.first_token_at = time.perf_counter()
                     elif now > deadline:
                         raise UpstreamTimeout(
-                            f"engine at {worker.url} did not finish within {timeouts.total:g} s"
+                            f"engine at {worker.public_url} did not finish within {timeouts.total:g} s"
                         )
                     elif stream:
                         tuner.observe(worker, now - previous, len(chunk.token_ids))

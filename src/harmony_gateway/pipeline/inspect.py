@@ -173,7 +173,7 @@ def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
     if peek is not None:
         try:
             chosen = peek(pool, request)
-            worker = {"id": chosen.id, "url": chosen.url}
+            worker = {"id": chosen.id, "url": chosen.public_url}
         except NoHealthyWorker:
             worker = None
     match = getattr(policy, "match_length", None)
@@ -182,7 +182,8 @@ def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
         "worker": worker,
         "cache_match_tokens": match(pool, request) if match is not None else None,
         "workers": [
-            {"id": w.id, "url": w.url, "available": w.available(), "in_flight": w.in_flight} for w in pool
+            {"id": w.id, "url": w.public_url, "available": w.available(), "in_flight": w.in_flight}
+            for w in pool
         ],
     }
 

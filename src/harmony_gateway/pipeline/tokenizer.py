@@ -150,7 +150,7 @@ async def _load(state: GatewayState, group: Any) -> ModelTokenizer:
         except UpstreamError as exc:
             errors.append(exc.message)
             continue
-        return await anyio.to_thread.run_sync(load_zip, data, worker.url)
+        return await anyio.to_thread.run_sync(load_zip, data, worker.public_url)
     detail = f" ({'; '.join(errors)})" if errors else ""
     raise UpstreamError(
         f"no tokenizer for model {name!r}: pass --tokenizer {name}=DIR, or serve it from an engine "

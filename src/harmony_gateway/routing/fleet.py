@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import EngineClient, ModelInfo
+from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
 from .workers import Worker, WorkerKind
 
@@ -75,7 +75,7 @@ class Fleet:
     def create_worker(self, url: str, kind: WorkerKind = WorkerKind.REGULAR, engine: str = "auto") -> Worker:
         for existing in self.workers.values():
             if existing.url == url and existing.kind is kind:
-                raise Conflict(f"worker {url} ({kind.value}) is already registered", param="url")
+                raise Conflict(f"worker {redact_url(url)} ({kind.value}) is already registered", param="url")
         client = self._client_factory(url, engine)
         worker = Worker(url=url, client=client, kind=kind, engine=client.engine)
         self.workers[worker.id] = worker
@@ -91,7 +91,7 @@ class Fleet:
                 self._attach(worker)
             healthy = await worker.client.health(self._health_timeout)
         except GatewayError as exc:
-            log.warning("worker %s is not reachable: %s", worker.url, exc.message)
+            log.warning("worker %s is not reachable: %s", worker.public_url, exc.message)
             healthy = False
         worker.healthy = healthy
         return healthy

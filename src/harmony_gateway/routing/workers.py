@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..engines.base import EngineClient, ModelInfo
+from ..engines.base import EngineClient, ModelInfo, redact_url
 
 
 class WorkerKind(StrEnum):
@@ -60,6 +60,11 @@ class Worker:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def public_url(self) -> str:
+        """The URL without credentials: what metrics, logs and API answers show."""
+        return redact_url(self.url)
+
+    @property
     def model_id(self) -> str:
         return self.model_info.served_model_name if self.model_info else ""
 
@@ -84,7 +89,7 @@ class Worker:
     def to_dict(self) -> dict[str, Any]:
         return {
             "id": self.id,
-            "url": self.url,
+            "url": self.public_url,
             "kind": self.kind.value,
             "engine": self.engine,
             "model": self.model_id,
