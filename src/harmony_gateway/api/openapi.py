@@ -125,6 +125,18 @@ ERROR_SCHEMA = {
 }
 
 
+#: One server-sent event as a client's SSE parser yields it (each `data` is a JSON document or `[DONE]`).
+SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+
+
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -146,7 +158,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                     ok["content"] = {media: {}}
                 elif path in STREAMING:
                     ok.setdefault("content", {"application/json": {"schema": {}}})
-                    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                    ok["content"]["text/event-stream"] = {"schema": SSE_EVENT_SCHEMA}
             for status, description in ERROR_STATUSES.items():
                 responses.setdefault(status, {"description": description, "content": error_ref})
             model = REQUEST_BODIES.get((method, path))
