@@ -41,6 +41,7 @@ def test_exported_members() -> None:
         "random_policy",
         "registry",
         "round_robin",
+        "shared_registry",
         "workers",
     }
     assert public - modules == set(routing.__all__)
