@@ -171,6 +171,17 @@ async def test_registered_worker_is_routed_to_by_both_processes_then_deleted_eve
         per_process = served_by_process(metrics_dir, OTHER_MODEL)
         assert len(per_process) == 2 and all(v > 0 for v in per_process.values())
         assert scraped == sum(per_process.values()) == len(extra.requests)
+        # Worker gauges are merged too: one healthy series for the worker, nothing left in flight.
+        gauges = [
+            line
+            for line in text.splitlines()
+            if line.startswith(("gateway_worker_healthy{", "gateway_worker_in_flight{"))
+            and f'worker="{worker_id}"' in line
+        ]
+        assert sorted(line.split("{")[0] + " " + line.rsplit(" ", 1)[1] for line in gauges) == [
+            "gateway_worker_healthy 1.0",
+            "gateway_worker_in_flight 0.0",
+        ]
 
         # Both processes list the same workers.
         listings = {
@@ -262,6 +273,11 @@ async def test_health_is_shared_and_survives_the_lease_holder_dying(
             assert time.monotonic() < deadline, f"no replacement process knows the worker: {views}"
             await asyncio.sleep(0.1)
         assert holder_pid not in views and new_holder in views
+        # The survivors drop the dead process's live gauges, so its last values do not linger in sums.
+        deadline = time.monotonic() + 10
+        while any(metrics_dir.glob(f"gauge_live*_{holder_pid}.db")):
+            assert time.monotonic() < deadline, "the dead process's gauge files were not reaped"
+            await asyncio.sleep(0.1)
 
         # The engine stops: both processes mark it unhealthy within the health bound (failure
         # threshold x interval, plus a reconcile for the process that reads the shared result).

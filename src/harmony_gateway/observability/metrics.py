@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -31,7 +32,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
 
@@ -266,6 +267,9 @@ class GatewayMetrics:
         """Multi-process mode: write this process's worker gauges to its files (else nothing to do)."""
         if self._fleet_gauges is not None and self._workers is not None:
             self._fleet_gauges.update(self._workers())
+            directory = multiprocess_dir()
+            if directory:
+                reap_dead_processes(directory)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
@@ -322,6 +326,24 @@ class _FleetGauges:
                     self.breaker.labels(values[0], values[1], state).set(0.0)
                     self.breaker.remove(values[0], values[1], state)
         self._seen = seen
+
+
+def reap_dead_processes(directory: str) -> None:
+    """Drop the live-gauge files of processes that are gone (a killed process a supervisor replaced).
+
+    prometheus-client counts a `live*` gauge file until `mark_process_dead(pid)` removes it, and uvicorn's
+    supervisor has no hook for that, so the survivors do it; counters and histograms keep their files.
+    """
+    for path in Path(directory).glob("gauge_live*_*.db"):
+        pid = path.stem.rsplit("_", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            mark_process_dead(int(pid), directory)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def channel_counts(parsers: Iterable[Any]) -> dict[str, int]:
