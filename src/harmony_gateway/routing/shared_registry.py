@@ -85,6 +85,8 @@ class SharedWorkers:
         self._static = set(fleet.workers)
         #: Ids of store rows this process has in its fleet (or tried to admit and cannot).
         self._known: set[str] = set()
+        #: Rows this process cannot admit (a command-line worker has the URL): not retried.
+        self._refused: set[str] = set()
         self._lock = anyio.Lock()
         fleet.new_worker_id = new_worker_id
         fleet.shared = self
@@ -142,6 +144,7 @@ class SharedWorkers:
             wanted = {row.id: row for row in rows}
             for worker_id in sorted(self._known - wanted.keys()):
                 self._known.discard(worker_id)
+                self._refused.discard(worker_id)
                 if worker_id in self.fleet.workers:
                     await self.fleet.remove(worker_id)
                     log.info("worker %s was deleted through another process", worker_id)
@@ -154,6 +157,10 @@ class SharedWorkers:
                     async with anyio.create_task_group() as tg:
                         for row in new:
                             tg.start_soon(self._admit_row, row)
+                # A row whose admission never got going is tried again at the next reconcile.
+                self._known.difference_update(
+                    row.id for row in new if row.id not in self.fleet.workers and row.id not in self._refused
+                )
             if not self.holds_health_lease:
                 await self._apply_health()
         if self._after_sync is not None:
@@ -164,6 +171,7 @@ class SharedWorkers:
             await self._admit(row.url, WorkerKind(row.kind), row.engine, row.id)
         except (GatewayError, ValueError) as exc:
             # A command-line worker with the same URL, or a row this version cannot read.
+            self._refused.add(row.id)
             log.warning("cannot add registered worker %s (%s): %s", row.id, row.url, exc)
 
     async def _apply_health(self) -> None:
