@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from harmony_gateway import errors
-from harmony_gateway.storage import Store, StoredWorker, WorkerHealth, worker_health_key
+from harmony_gateway.storage import (
+    SCHEMA_VERSION,
+    Store,
+    StoredWorker,
+    WorkerHealth,
+    open_store,
+    worker_health_key,
+)
 
 from .conftest import Backend
 
@@ -112,3 +121,24 @@ async def test_registry_is_shared_between_stores(sql_backend: Backend) -> None:
         await two.add_worker(worker("grpc://shared:1"))
     assert await two.delete_worker(w.id) == w
     assert await one.list_workers() == []
+
+
+async def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'v1.db'}"
+    store = open_store(url)
+    await store.start()
+    await store.close()
+    # Make it look like a database written before the worker registry existed.
+    with sqlite3.connect(tmp_path / "v1.db") as conn:
+        for table in ("workers", "worker_health", "leases"):
+            conn.execute(f"DROP TABLE {table}")
+        conn.execute("DELETE FROM schema_version WHERE version = 2")
+    store = open_store(url)
+    await store.start()
+    try:
+        await store.add_worker(worker("grpc://after-upgrade:1"))
+        assert [w.url for w in await store.list_workers()] == ["grpc://after-upgrade:1"]
+    finally:
+        await store.close()
+    with sqlite3.connect(tmp_path / "v1.db") as conn:
+        assert conn.execute("SELECT max(version) FROM schema_version").fetchone() == (SCHEMA_VERSION,)
