@@ -35,6 +35,7 @@ from .pipeline.context import GatewayState
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy
+from .routing.shared_registry import SharedWorkers
 from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
@@ -86,9 +87,11 @@ def build_state(settings: Settings) -> GatewayState:
     )
 
 
-async def add_worker(state: GatewayState, url: str, kind: WorkerKind, engine: str | None = None) -> Worker:
+async def add_worker(
+    state: GatewayState, url: str, kind: WorkerKind, engine: str | None = None, worker_id: str | None = None
+) -> Worker:
     """Register a worker and probe it; it takes traffic only once a probe succeeded."""
-    worker = state.fleet.create_worker(url, kind, engine or state.settings.engine)
+    worker = state.fleet.create_worker(url, kind, engine or state.settings.engine, worker_id)
     worker.breaker_cooldown = state.health_config.breaker_cooldown
     await state.fleet.probe(worker)
     if worker.healthy and kind is WorkerKind.PREFILL:
@@ -158,9 +161,24 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 for url, kind in initial:
                     tg.start_soon(add_worker, gw, url, kind)
             checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
+            if settings.processes > 1:
+                # serve --workers N: one worker registry and one health view for all the processes.
+                shared = SharedWorkers(
+                    gw.fleet,
+                    gw.store,
+                    checker,
+                    lambda url, kind, engine, worker_id: add_worker(gw, url, kind, engine, worker_id),
+                    default_runner_id(settings.port),
+                    after_sync=gw.metrics.refresh_fleet if gw.metrics is not None else None,
+                )
+                await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
             async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
-                tg.start_soon(checker.run)
+                if gw.fleet.shared is not None:
+                    tg.start_soon(gw.fleet.shared.run)
+                    tg.start_soon(gw.fleet.shared.run_health)
+                else:
+                    tg.start_soon(checker.run)
                 if settings.stream_interval == 0:
                     tg.start_soon(gw.stream_tuner.run)
                 tg.start_soon(_watch_workers, gw, checker)
@@ -175,6 +193,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 tg.cancel_scope.cancel()
         finally:
             await gw.background.shutdown()
+            if gw.fleet.shared is not None:
+                await gw.fleet.shared.close()
             await gw.fleet.close()
             await gw.store.close()
             await control.close()

@@ -561,8 +561,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="gateway processes sharing the port (default 1); each has its own worker health state, "
-        "storage connections and /metrics; needs sqlite or postgresql storage when N > 1",
+        help="gateway processes sharing the port (default 1); above 1 they share the registered workers, "
+        "their health and /metrics through the storage, which must be sqlite or postgresql",
     )
     limits = p.add_argument_group("connection and request limits (see README, Limits)")
     limits.add_argument(

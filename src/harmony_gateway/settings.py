@@ -46,8 +46,8 @@ class Settings:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     bootstrap_port: int = 8998
-    #: Gateway processes sharing the port (`serve --workers N`). Each holds its own worker set, so above
-    #: 1 the worker API refuses changes that would reach one process only.
+    #: Gateway processes sharing the port (`serve --workers N`). Above 1 they share the workers
+    #: registered through the API and their health through storage (routing/shared_registry.py).
     processes: int = 1
     max_retries: int = 2
     #: Samples one `/generate` or `/v1/completions` batch may ask for (prompts × n); above it a 400.

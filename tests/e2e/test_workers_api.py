@@ -109,20 +109,33 @@ async def test_worker_api_needs_the_admin_key_not_a_tenant_key() -> None:
             assert (await http.get("/metrics")).status_code == 200  # scrapes need no key by default
 
 
-async def test_worker_changes_are_refused_when_several_processes_serve() -> None:
+async def test_worker_changes_go_through_shared_storage_when_several_processes_serve(tmp_path) -> None:
     async with sims(SimConfig(), SimConfig()) as (first, second):
-        settings = gateway_settings(worker_urls=(first.url,), processes=4, **FAST, **ADMIN_PLANE)
+        settings = gateway_settings(
+            worker_urls=(first.url,),
+            processes=4,
+            storage_url=f"sqlite:///{tmp_path / 'gw.db'}",
+            **FAST,
+            **ADMIN_PLANE,
+        )
         async with (
             running_gateway(settings) as gw,
             httpx.AsyncClient(base_url=gw.url, timeout=10, headers=ADMIN) as http,
         ):
-            (listed,) = (await http.get("/workers")).json()["data"]
-            for r in (
-                await http.post("/workers", json={"url": second.url, "kind": "regular"}),
-                await http.delete(f"/workers/{listed['id']}"),
-            ):
-                assert r.status_code == 409, r.text
-                error = r.json()["error"]
-                assert "--workers 4" in error["message"] and error["code"] == "workers_fixed"
+            (static,) = (await http.get("/workers")).json()["data"]
+            r = await http.post("/workers", json={"url": second.url, "kind": "regular"})
+            assert r.status_code == 201, r.text
+            added = r.json()
+            # Ids are unique across processes, not a per-process counter.
+            assert added["id"].startswith("w-") and added["healthy"] is True
+            assert (await http.post("/workers", json={"url": second.url})).status_code == 409
+            # Command-line workers are static in every process: deleting one here would not reach them.
+            r = await http.delete(f"/workers/{static['id']}")
+            assert r.status_code == 409 and r.json()["error"]["code"] == "worker_static", r.text
+            listed = (await http.get("/workers")).json()["data"]
+            assert [w["url"] for w in listed] == [first.url, second.url]
+            r = await http.delete(f"/workers/{added['id']}")
+            assert r.status_code == 200 and r.json()["deleted"] is True
+            assert (await http.delete(f"/workers/{added['id']}")).status_code == 404
             assert [w["url"] for w in (await http.get("/workers")).json()["data"]] == [first.url]
             assert (await chat(http)).status_code == 200

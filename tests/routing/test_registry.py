@@ -41,6 +41,7 @@ def test_exported_members() -> None:
         "random_policy",
         "registry",
         "round_robin",
+        "shared_registry",
         "url_policy",
         "workers",
     }

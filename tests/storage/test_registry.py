@@ -23,8 +23,11 @@ def test_public_names() -> None:
             "Store",
             "StoredConversation",
             "StoredResponse",
+            "StoredWorker",
+            "WorkerHealth",
             "default_storage_url",
             "open_store",
+            "worker_health_key",
         ]
     )
     for name in storage.__all__:

@@ -2,11 +2,11 @@
 
 `POST /workers` registers a worker and probes it (model info, health) before answering, so the worker takes
 traffic as soon as the 201 arrives if it was healthy; an unreachable worker is still registered (healthy
-false) and the health checker keeps probing it. Under `serve --workers N` (N > 1) each process holds its
-own worker set, so `POST` and `DELETE` answer 409: a change would reach only the process that took the
-call. The worker endpoints are the admin plane (api/admin.py): they need the admin credential, and a
-registered URL must pass the worker host policy (routing/url_policy.py). `/metrics` is open, for
-Prometheus, unless `--protect-metrics` puts it behind the admin credential too.
+false) and the health checker keeps probing it. Under `serve --workers N` (N > 1) the processes share
+the registered workers through storage (routing/shared_registry.py): a change answered by one process
+reaches the others within about a second. The worker endpoints are the admin plane (api/admin.py): they
+need the admin credential, and a registered URL must pass the worker host policy (routing/url_policy.py).
+`/metrics` is open, for Prometheus, unless `--protect-metrics` puts it behind the admin credential too.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..errors import Conflict, InvalidRequest
+from ..errors import InvalidRequest
 from ..mcp.security import HostAllowList
-from ..pipeline.context import GatewayState
+from ..routing.shared_registry import publish_worker, remove_worker, sync_workers
 from ..routing.url_policy import check_worker_url
 from ..routing.workers import WorkerKind
 from .admin import on_admin_listener, require_admin
@@ -36,21 +36,11 @@ def _field(body: dict[str, Any], name: str, default: str | None = None) -> str |
     return value
 
 
-def _refuse_in_multiprocess_mode(state: GatewayState) -> None:
-    processes = state.settings.processes
-    if processes > 1:
-        raise Conflict(
-            f"the worker set is fixed when the gateway runs as {processes} processes (serve --workers "
-            f"{processes}): a change here would reach only the process that answered; change the "
-            "--worker-url/--prefill/--decode flags and restart instead",
-            code="workers_fixed",
-        )
-
-
 @router.get("/workers")
 async def list_workers(request: Request) -> Response:
     state = gateway(request)
     require_admin(state.settings, request)
+    await sync_workers(state.fleet)
     return json_response({"object": "list", "data": [w.to_dict() for w in state.fleet.all_workers()]})
 
 
@@ -61,7 +51,6 @@ async def create_worker(request: Request) -> Response:
 
     state = gateway(request)
     require_admin(state.settings, request)
-    _refuse_in_multiprocess_mode(state)
     body = await json_body(request)
     url = _field(body, "url")
     if not url:
@@ -77,6 +66,7 @@ async def create_worker(request: Request) -> Response:
         ) from None
     engine = _field(body, "engine")
     worker = await add_worker(state, url, kind, engine)
+    await publish_worker(state.fleet, worker)
     return json_response(worker.to_dict(), status=201)
 
 
@@ -84,8 +74,7 @@ async def create_worker(request: Request) -> Response:
 async def delete_worker(worker_id: str, request: Request) -> Response:
     state = gateway(request)
     require_admin(state.settings, request)
-    _refuse_in_multiprocess_mode(state)
-    worker = await state.fleet.remove(worker_id)
+    worker = await remove_worker(state.fleet, worker_id)
     return json_response({"id": worker.id, "object": "worker", "deleted": True})
 
 

@@ -8,7 +8,11 @@ touch those gauges.
 
 Multi-process servers: when `PROMETHEUS_MULTIPROC_DIR` is set before the gateway starts, prometheus-client
 keeps counter and histogram values in files in that directory and `render()` merges every process's
-files (`MultiProcessCollector`); the fleet gauges then describe the process that answered the scrape.
+files (`MultiProcessCollector`). The fleet gauges are then written to those files too, by every process
+at each worker reconcile (about once a second, routing/shared_registry.py) and by the answering process at
+the scrape, and merged: `gateway_worker_in_flight` sums the live processes, `gateway_worker_healthy` is
+the largest live value (health is shared, so they agree), and `gateway_worker_circuit_breaker_state`
+counts the live processes whose breaker for the worker is in each state (breakers are per process).
 """
 
 from __future__ import annotations
@@ -16,11 +20,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
 
@@ -194,17 +206,19 @@ class GatewayMetrics:
             buckets=RATIO_BUCKETS,
             registry=r,
         )
+        self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
-        if self._fleet is not None:
-            r.register(self._fleet)
+        self._fleet_gauges: _FleetGauges | None = None
         self._scrape_registry = r
         if multiprocess_dir():
             # Values live in per-process files; a fresh registry merges them at every scrape.
             self._scrape_registry = CollectorRegistry()
             # prometheus_client leaves this constructor unannotated.
             MultiProcessCollector(self._scrape_registry)  # type: ignore[no-untyped-call]
-            if self._fleet is not None:
-                self._scrape_registry.register(self._fleet)
+            if workers is not None:
+                self._fleet_gauges = _FleetGauges(r)
+        elif self._fleet is not None:
+            r.register(self._fleet)
 
     def observe(self, ctx: RequestContext, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""
@@ -264,9 +278,87 @@ class GatewayMetrics:
             if st.content_chars:
                 self.harmony_reasoning_answer_ratio.observe(st.reasoning_chars / st.content_chars)
 
+    def refresh_fleet(self) -> None:
+        """Multi-process mode: write this process's worker gauges to its files (else nothing to do)."""
+        if self._fleet_gauges is not None and self._workers is not None:
+            self._fleet_gauges.update(self._workers())
+            directory = multiprocess_dir()
+            if directory:
+                reap_dead_processes(directory)
+
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
+        self.refresh_fleet()
         return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
+
+
+class _FleetGauges:
+    """`FleetCollector`'s gauges as multi-process gauges, set from the fleet when refreshed."""
+
+    _LABELS = ("worker", "url", "kind", "model", "engine")
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.healthy = Gauge(
+            "gateway_worker_healthy",
+            "1 if the worker passes health checks",
+            self._LABELS,
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
+        self.in_flight = Gauge(
+            "gateway_worker_in_flight",
+            "Requests the gateway has in flight on the worker, over all its processes",
+            self._LABELS,
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.breaker = Gauge(
+            "gateway_worker_circuit_breaker_state",
+            "Gateway processes whose circuit breaker for the worker is in this state (closed, open, half_open)",
+            ["worker", "url", "state"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self._seen: set[tuple[str, ...]] = set()
+
+    def update(self, workers: Iterable[Worker]) -> None:
+        seen: set[tuple[str, ...]] = set()
+        for w in workers:
+            values: tuple[str, ...] = (w.id, w.url, w.kind.value, w.model_id, w.engine)
+            seen.add(values)
+            self.healthy.labels(*values).set(1.0 if w.healthy else 0.0)
+            self.in_flight.labels(*values).set(float(w.in_flight))
+            for state in BREAKER_STATES:
+                self.breaker.labels(w.id, w.url, state).set(1.0 if w.breaker.value == state else 0.0)
+        for values in self._seen - seen:
+            # A removed worker (or one whose model became known): the files keep the last value of a
+            # removed series, so zero it first; it then adds nothing to the sums.
+            for gauge in (self.healthy, self.in_flight):
+                gauge.labels(*values).set(0.0)
+                gauge.remove(*values)
+            if not any(v[0] == values[0] for v in seen):
+                for state in BREAKER_STATES:
+                    self.breaker.labels(values[0], values[1], state).set(0.0)
+                    self.breaker.remove(values[0], values[1], state)
+        self._seen = seen
+
+
+def reap_dead_processes(directory: str) -> None:
+    """Drop the live-gauge files of processes that are gone (a killed process a supervisor replaced).
+
+    prometheus-client counts a `live*` gauge file until `mark_process_dead(pid)` removes it, and uvicorn's
+    supervisor has no hook for that, so the survivors do it; counters and histograms keep their files.
+    """
+    for path in Path(directory).glob("gauge_live*_*.db"):
+        pid = path.stem.rsplit("_", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            mark_process_dead(int(pid), directory)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def channel_counts(parsers: Iterable[Any]) -> dict[str, int]:

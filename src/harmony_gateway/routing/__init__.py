@@ -2,7 +2,8 @@
 
 `create_policy(name, **options)` builds a `RoutingPolicy` from the `POLICIES` table; `HealthChecker`
 runs in the app's lifespan task group; the pipeline reports request outcomes with `record_success` /
-`record_failure`.
+`record_failure`. Under `serve --workers N`, `SharedWorkers` shares registered workers and their health
+between the processes through storage.
 """
 
 from .cache_aware import CacheAwarePolicy
@@ -13,6 +14,7 @@ from .power_of_two import PowerOfTwoPolicy
 from .random_policy import RandomPolicy
 from .registry import POLICIES, create_policy
 from .round_robin import RoundRobinPolicy
+from .shared_registry import SharedWorkers
 from .workers import BreakerState, Worker, WorkerKind, healthy_workers
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "RoundRobinPolicy",
     "RoutingPolicy",
     "RoutingRequest",
+    "SharedWorkers",
     "Worker",
     "WorkerKind",
     "available_workers",

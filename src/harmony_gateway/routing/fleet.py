@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
 from .workers import Worker, WorkerKind
+
+if TYPE_CHECKING:
+    from .shared_registry import SharedWorkers
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +73,29 @@ class Fleet:
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
         self.on_worker_removed: list[Callable[[Worker], None]] = []
+        #: Ids for new workers; None keeps the default `w1, w2, ...`. Processes sharing a worker
+        #: registry need ids that are unique across them (routing/shared_registry.py).
+        self.new_worker_id: Callable[[], str] | None = None
+        #: The registry shared with the other `serve --workers N` processes, when there is one.
+        self.shared: SharedWorkers | None = None
 
     # -- membership ------------------------------------------------------------------------------
-    def create_worker(self, url: str, kind: WorkerKind = WorkerKind.REGULAR, engine: str = "auto") -> Worker:
+    def create_worker(
+        self,
+        url: str,
+        kind: WorkerKind = WorkerKind.REGULAR,
+        engine: str = "auto",
+        worker_id: str | None = None,
+    ) -> Worker:
         for existing in self.workers.values():
             if existing.url == url and existing.kind is kind:
                 raise Conflict(f"worker {redact_url(url)} ({kind.value}) is already registered", param="url")
         client = self._client_factory(url, engine)
         worker = Worker(url=url, client=client, kind=kind, engine=client.engine)
+        if worker_id is None and self.new_worker_id is not None:
+            worker_id = self.new_worker_id()
+        if worker_id is not None:
+            worker.id = worker_id
         self.workers[worker.id] = worker
         return worker
 

@@ -1,6 +1,16 @@
 """Persistence for stored Responses, background event logs and Conversations (see `base.Store`)."""
 
-from .base import RESPONSE_STATUSES, ConversationItem, Page, Store, StoredConversation, StoredResponse
+from .base import (
+    RESPONSE_STATUSES,
+    ConversationItem,
+    Page,
+    Store,
+    StoredConversation,
+    StoredResponse,
+    StoredWorker,
+    WorkerHealth,
+    worker_health_key,
+)
 from .memory import MemoryStore
 from .registry import STORES, default_storage_url, open_store
 from .sql import SCHEMA_VERSION, SqlStore
@@ -16,6 +26,9 @@ __all__ = [
     "Store",
     "StoredConversation",
     "StoredResponse",
+    "StoredWorker",
+    "WorkerHealth",
     "default_storage_url",
     "open_store",
+    "worker_health_key",
 ]

@@ -84,6 +84,40 @@ class Page:
     last_id: str | None
 
 
+@dataclass(slots=True)
+class StoredWorker:
+    """A worker registered through the worker API, shared by every process on the store.
+
+    `kind` is a `routing.workers.WorkerKind` value; one (url, kind) pair is registered at most once.
+    """
+
+    id: str
+    url: str
+    kind: str
+    engine: str
+    created_at: float
+
+
+@dataclass(slots=True)
+class WorkerHealth:
+    """One worker's health as the process holding the health lease last probed it.
+
+    `key` names the worker by what every process agrees on, `kind:url` (see `worker_health_key`), so
+    workers configured on the command line, whose ids are per process, are covered too.
+    """
+
+    key: str
+    healthy: bool
+    consecutive_failures: int
+    consecutive_successes: int
+    model_info: dict[str, Any] | None
+    updated_at: float
+
+
+def worker_health_key(kind: str, url: str) -> str:
+    return f"{kind}:{url}"
+
+
 @runtime_checkable
 class Store(Protocol):
     """Persistence for Responses, background event logs and Conversations.
@@ -274,6 +308,35 @@ class Store(Protocol):
         Returns how many responses were deleted; always 0 when the store has no retention.
         Conversations are not subject to retention. Expired gateway values are deleted too.
         """
+        ...
+
+    # -- shared worker registry (serve --workers N) -----------------------------------------------
+
+    async def add_worker(self, worker: StoredWorker) -> None:
+        """Register a worker. Raises errors.Conflict when its id or its (url, kind) is taken."""
+        ...
+
+    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+        """Remove a registered worker and its health row; the removed worker, or None if unknown."""
+        ...
+
+    async def list_workers(self) -> list[StoredWorker]:
+        """Every registered worker, oldest first."""
+        ...
+
+    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+        """Insert or replace health rows by key."""
+        ...
+
+    async def list_worker_health(self) -> list[WorkerHealth]: ...
+
+    async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:
+        """Take or renew the lease `name` until `now + ttl`, atomically: True when `owner` holds it
+        afterwards (it was free, expired, or already `owner`'s), False while another owner holds it."""
+        ...
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        """Give the lease up if `owner` holds it, so another process need not wait for expiry."""
         ...
 
 

@@ -24,6 +24,8 @@ from .base import (
     Page,
     StoredConversation,
     StoredResponse,
+    StoredWorker,
+    WorkerHealth,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
@@ -33,6 +35,7 @@ from .base import (
     previous_response_not_found,
     sequence_numbers,
     unknown_cursor,
+    worker_health_key,
 )
 
 DEFAULT_MAX_RESPONSES = 10_000
@@ -88,6 +91,9 @@ class MemoryStore:
         #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
         self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
         self.max_values = DEFAULT_MAX_VALUES
+        self._workers: dict[str, StoredWorker] = {}
+        self._worker_health: dict[str, WorkerHealth] = {}
+        self._leases: dict[str, tuple[str, float]] = {}
 
     async def start(self) -> None:
         pass
@@ -340,3 +346,42 @@ class MemoryStore:
             del self._responses[response_id]
             self._events.pop(response_id, None)
         return len(expired)
+
+    # -- shared worker registry -----------------------------------------------------------------
+    # One process only (memory:// is refused for serve --workers N), but the contract is the same.
+
+    async def add_worker(self, worker: StoredWorker) -> None:
+        for existing in self._workers.values():
+            if existing.id == worker.id or (existing.url, existing.kind) == (worker.url, worker.kind):
+                raise errors.Conflict(
+                    f"worker {worker.url} ({worker.kind}) is already registered", param="url"
+                )
+        self._workers[worker.id] = replace(worker)
+
+    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+        worker = self._workers.pop(worker_id, None)
+        if worker is not None:
+            self._worker_health.pop(worker_health_key(worker.kind, worker.url), None)
+        return worker
+
+    async def list_workers(self) -> list[StoredWorker]:
+        return sorted((replace(w) for w in self._workers.values()), key=lambda w: (w.created_at, w.id))
+
+    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+        for row in health:
+            self._worker_health[row.key] = replace(row, model_info=_copy(row.model_info))
+
+    async def list_worker_health(self) -> list[WorkerHealth]:
+        return [replace(h, model_info=_copy(h.model_info)) for h in self._worker_health.values()]
+
+    async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:
+        held = self._leases.get(name)
+        if held is not None and held[0] != owner and held[1] > now:
+            return False
+        self._leases[name] = (owner, now + ttl)
+        return True
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        held = self._leases.get(name)
+        if held is not None and held[0] == owner:
+            del self._leases[name]

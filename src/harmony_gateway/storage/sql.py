@@ -40,6 +40,8 @@ from .base import (
     Page,
     StoredConversation,
     StoredResponse,
+    StoredWorker,
+    WorkerHealth,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
@@ -49,6 +51,7 @@ from .base import (
     previous_response_not_found,
     sequence_numbers,
     unknown_cursor,
+    worker_health_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -148,6 +151,37 @@ gateway_values = sa.Table(
     sa.Index("ix_gateway_values_expires_at", "expires_at"),
 )
 
+# Also version 2: the worker registry `serve --workers N` processes share (routing/shared_registry.py).
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("id", sa.Text, primary_key=True),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("kind", sa.Text, nullable=False),
+    sa.Column("engine", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Index("ux_workers_url_kind", "url", "kind", unique=True),
+)
+
+worker_health = sa.Table(
+    "worker_health",
+    metadata,
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("healthy", sa.Boolean, nullable=False),
+    sa.Column("consecutive_failures", sa.Integer, nullable=False),
+    sa.Column("consecutive_successes", sa.Integer, nullable=False),
+    sa.Column("model_info", _Json),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
+leases = sa.Table(
+    "leases",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),
+    sa.Column("owner", sa.Text, nullable=False),
+    sa.Column("expires_at", sa.Double, nullable=False),
+)
+
 
 def _create_v1(conn: Connection) -> None:
     metadata.create_all(
@@ -156,7 +190,7 @@ def _create_v1(conn: Connection) -> None:
 
 
 def _create_v2(conn: Connection) -> None:
-    metadata.create_all(conn, tables=[gateway_values], checkfirst=True)
+    metadata.create_all(conn, tables=[gateway_values, workers, worker_health, leases], checkfirst=True)
 
 
 #: version -> migration that brings the database from version - 1 to it.
@@ -778,3 +812,103 @@ class SqlStore:
             )
             result = await conn.execute(sa.delete(responses).where(expired))
         return result.rowcount
+
+    # -- shared worker registry -----------------------------------------------------------------
+
+    async def add_worker(self, worker: StoredWorker) -> None:
+        try:
+            async with self._write() as conn:
+                await conn.execute(
+                    sa.insert(workers).values(
+                        id=worker.id,
+                        url=worker.url,
+                        kind=worker.kind,
+                        engine=worker.engine,
+                        created_at=worker.created_at,
+                    )
+                )
+        except sa.exc.IntegrityError as exc:
+            raise errors.Conflict(
+                f"worker {worker.url} ({worker.kind}) is already registered", param="url"
+            ) from exc
+
+    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+        async with self._write() as conn:
+            row = (await conn.execute(sa.select(workers).where(workers.c.id == worker_id))).first()
+            if row is None:
+                return None
+            await conn.execute(sa.delete(workers).where(workers.c.id == worker_id))
+            removed = _worker_from_row(row)
+            await conn.execute(
+                sa.delete(worker_health).where(
+                    worker_health.c.key == worker_health_key(removed.kind, removed.url)
+                )
+            )
+        return removed
+
+    async def list_workers(self) -> list[StoredWorker]:
+        async with self._read() as conn:
+            rows = await conn.execute(sa.select(workers).order_by(workers.c.created_at, workers.c.id))
+            return [_worker_from_row(row) for row in rows]
+
+    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+        if not health:
+            return
+        stmt = self._dialect.insert(worker_health)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[worker_health.c.key],
+            set_={c.name: stmt.excluded[c.name] for c in worker_health.columns if c.name != "key"},
+        )
+        rows = [
+            {
+                "key": h.key,
+                "healthy": h.healthy,
+                "consecutive_failures": h.consecutive_failures,
+                "consecutive_successes": h.consecutive_successes,
+                "model_info": h.model_info,
+                "updated_at": h.updated_at,
+            }
+            for h in health
+        ]
+        async with self._write() as conn:
+            await conn.execute(stmt, rows)
+
+    async def list_worker_health(self) -> list[WorkerHealth]:
+        async with self._read() as conn:
+            rows = await conn.execute(sa.select(worker_health))
+            return [
+                WorkerHealth(
+                    key=m["key"],
+                    healthy=bool(m["healthy"]),
+                    consecutive_failures=int(m["consecutive_failures"]),
+                    consecutive_successes=int(m["consecutive_successes"]),
+                    model_info=m["model_info"],
+                    updated_at=float(m["updated_at"]),
+                )
+                for m in (row._mapping for row in rows)
+            ]
+
+    async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:
+        # One upsert that only overwrites an expired lease or our own: of two processes racing for a
+        # free or expired lease, exactly one sees its name afterwards.
+        stmt = self._dialect.insert(leases).values(name=name, owner=owner, expires_at=now + ttl)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[leases.c.name],
+            set_={"owner": stmt.excluded.owner, "expires_at": stmt.excluded.expires_at},
+            where=sa.or_(leases.c.owner == owner, leases.c.expires_at <= now),
+        )
+        async with self._write() as conn:
+            await conn.execute(stmt)
+            holder = (await conn.execute(sa.select(leases.c.owner).where(leases.c.name == name))).scalar()
+        return holder == owner
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        async with self._write() as conn:
+            await conn.execute(sa.delete(leases).where(leases.c.name == name, leases.c.owner == owner))
+
+
+def _worker_from_row(row: sa.Row[Any]) -> StoredWorker:
+    m = row._mapping
+    return StoredWorker(
+        id=m["id"], url=m["url"], kind=m["kind"], engine=m["engine"], created_at=float(m["created_at"])
+    )
