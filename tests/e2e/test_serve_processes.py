@@ -182,17 +182,23 @@ async def test_registered_worker_is_routed_to_by_both_processes_then_deleted_eve
         per_process = served_by_process(metrics_dir, OTHER_MODEL, "200")
         assert len(per_process) == 2 and all(v > 0 for v in per_process.values())
         assert scraped == sum(per_process.values()) == len(extra.requests)
-        # Worker gauges are merged too: one healthy series for the worker, nothing left in flight.
-        gauges = [
-            line
-            for line in text.splitlines()
-            if line.startswith(("gateway_worker_healthy{", "gateway_worker_in_flight{"))
-            and f'worker="{worker_id}"' in line
-        ]
-        assert sorted(line.split("{")[0] + " " + line.rsplit(" ", 1)[1] for line in gauges) == [
-            "gateway_worker_healthy 1.0",
-            "gateway_worker_in_flight 0.0",
-        ]
+        # Worker gauges are merged too: one healthy series for the worker and, once every process has
+        # refreshed its gauges (each does about once a second), nothing left in flight.
+        want = ["gateway_worker_healthy 1.0", "gateway_worker_in_flight 0.0"]
+        deadline = time.monotonic() + 10
+        while True:
+            gauges = sorted(
+                line.split("{")[0] + " " + line.rsplit(" ", 1)[1]
+                for line in text.splitlines()
+                if line.startswith(("gateway_worker_healthy{", "gateway_worker_in_flight{"))
+                and f'worker="{worker_id}"' in line
+            )
+            if gauges == want or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(base_url=base, timeout=10, headers=ADMIN) as http:
+                text = (await http.get("/metrics")).text
+        assert gauges == want
 
         # Both processes list the same workers.
         listings = {

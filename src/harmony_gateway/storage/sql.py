@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
@@ -216,6 +217,21 @@ def _migrate(conn: Connection) -> None:
 _WRITE = "harmony_gateway_write"
 
 
+def _enable_wal(cursor: Any) -> None:
+    """Switch the database to WAL. The switch needs the database to itself and SQLite answers "database is
+    locked" at once, without its busy handler, while another connection holds it (a second process
+    creating the tables): retry until the busy timeout has passed. Runs in the driver's thread."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class _SQLite:
     """WAL, synchronous=FULL, busy_timeout; writes take the write lock up front (BEGIN IMMEDIATE)."""
 
@@ -240,7 +256,7 @@ class _SQLite:
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-            cursor.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(cursor)
             cursor.execute("PRAGMA synchronous = FULL")
             cursor.close()
 
