@@ -369,7 +369,9 @@ def train(folder: Path, *, max_steps: int = 300) -> str:
     used = sorted({t for row in rows for t in row["prompt"] + row["answer"]})
     column = {t: i for i, t in enumerate(used)}
     width = max(len(r["prompt"]) + len(r["answer"]) for r in rows) - 1
-    inputs, targets, scored = [], [], []
+    inputs: list[list[int]] = []
+    targets: list[int] = []
+    scored: list[int] = []
     for b, row in enumerate(rows):
         seq = [column[t] for t in row["prompt"] + row["answer"]]
         inputs.append(seq[:-1] + [0] * (width - len(seq) + 1))
