@@ -122,6 +122,10 @@ async def test_worker_url_credentials_never_leak(caplog: pytest.LogCaptureFixtur
             assert any(f"127.0.0.1:{dead_port}" in record.getMessage() for record in caplog.records)
             for text in exposed:
                 assert "s3cr3t" not in text and "admin:" not in text
+            # gRPC targets carry no credentials: one in a grpc:// URL is refused, never resolved or logged.
+            refused = await http.post("/workers", json={"url": f"grpc://admin:s3cr3t@127.0.0.1:{dead_port}"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "url"
+            assert "s3cr3t" not in refused.text
 
 
 async def test_protect_metrics_puts_metrics_and_docs_behind_the_admin_key() -> None:

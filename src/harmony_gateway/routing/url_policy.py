@@ -44,6 +44,12 @@ async def check_worker_url(
         raise InvalidRequest("'url' is not a valid URL", param="url") from None
     if parts.scheme not in _SCHEMES or not parts.hostname:
         return  # the engine registry names the accepted forms in its own 400
+    if parts.scheme.startswith("grpc") and "@" in parts.netloc:
+        # gRPC has no credentials in its target: they would only be sent to the resolver, which repeats
+        # the whole target (secret included) in its errors and logs.
+        raise InvalidRequest(
+            "a grpc:// worker URL cannot carry credentials (user:password@)", param="url", code="invalid_url"
+        )
     host = parts.hostname
     if allow.allows_name(host):
         return
