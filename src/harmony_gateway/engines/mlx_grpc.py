@@ -30,7 +30,7 @@ from smg_grpc_proto.generated import mlx_engine_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, token_logprobs
+from .grpc_common import GrpcEngineClient, call_metadata, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 CAPABILITIES = EngineCapabilities(
@@ -109,7 +109,9 @@ class MlxGrpcClient(GrpcEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         self.check(request)
-        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         want_logprobs = request.return_logprob
         completed = False

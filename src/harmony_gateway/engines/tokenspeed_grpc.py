@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, set_constraint, token_logprobs
+from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True)
@@ -94,7 +94,9 @@ class TokenSpeedGrpcClient(GrpcEngineClient):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         self.check(request)
-        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         want_logprobs = request.return_logprob
         try:

@@ -27,7 +27,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
-from .grpc_common import GrpcEngineClient
+from .grpc_common import GrpcEngineClient, call_metadata
 from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False)
@@ -112,7 +112,9 @@ class TrtllmGrpcClient(GrpcEngineClient):
         self.check(request)
         if request.bootstrap is not None:
             raise UpstreamError(f"the trtllm engine at {self.url} cannot serve prefill/decode pairs")
-        call = self._stub.Generate(self.to_proto(request), timeout=self._request_timeout)
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
         stream = request.stream
         want_logprobs = request.return_logprob
         streamed: set[int] = set()
