@@ -30,8 +30,8 @@ from .harmony.encoding import PromptRenderer, get_encoding
 from .mcp.pool import open_mcp_pool
 from .observability import tracing
 from .observability.metrics import GatewayMetrics
-from .pipeline.background import BackgroundRunner, default_runner_id, fail_interrupted
 from .pipeline.context import GatewayState
+from .responses.runner import BackgroundRunner, default_runner_id, fail_interrupted
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy

@@ -37,11 +37,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harmony_gateway.api.schemas.anthropic import MessagesRequest
-from harmony_gateway.api.schemas.chat import ChatCompletionRequest
-from harmony_gateway.api.schemas.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
-from harmony_gateway.api.schemas.responses import ResponsesRequest
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
+from harmony_gateway.types.anthropic import MessagesRequest
+from harmony_gateway.types.chat import ChatCompletionRequest
+from harmony_gateway.types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
+from harmony_gateway.types.responses import ResponsesRequest
 from tests.conftest import MODEL
 from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
 

@@ -22,7 +22,6 @@ from openai_harmony import (
     ToolDescription,
 )
 
-from harmony_gateway.api.schemas.chat import ChatCompletionRequest
 from harmony_gateway.app import build_state
 from harmony_gateway.engines.base import ModelInfo
 from harmony_gateway.errors import InvalidRequest
@@ -37,6 +36,7 @@ from harmony_gateway.harmony.messages import (
 from harmony_gateway.pipeline.context import GatewayState
 from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
+from harmony_gateway.types.chat import ChatCompletionRequest
 from tests.support import servers
 from tests.support.servers import TEST_DATE
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from harmony_gateway.pipeline.background import RUNNER_KEY, default_runner_id, fail_interrupted, orphaned
+from harmony_gateway.responses.runner import RUNNER_KEY, default_runner_id, fail_interrupted, orphaned
 from harmony_gateway.storage import MemoryStore, StoredResponse
 
 

@@ -22,9 +22,9 @@ from ..observability.metrics import finish_request
 from ..pipeline.anthropic import anthropic_error, count_message_tokens, run_messages
 from ..pipeline.context import RequestContext, new_request_id
 from ..pipeline.reasoning_budget import budget_exceeded
+from ..types.anthropic import CountTokensRequest, MessagesRequest
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
-from .schemas.anthropic import CountTokensRequest, MessagesRequest
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..pipeline.generate import run_completions, run_generate
+from ..types.generate import CompletionRequest, GenerateRequest
 from .routes import serve_pipeline
-from .schemas.generate import CompletionRequest, GenerateRequest
 
 router = APIRouter()
 

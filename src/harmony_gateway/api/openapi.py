@@ -18,17 +18,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import HTMLResponse, Response
 
-from .admin import require_admin
-from .routes import gateway, json_response
-from .schemas.anthropic import CountTokensRequest, MessagesRequest
-from .schemas.chat import ChatCompletionRequest
-from .schemas.generate import CompletionRequest, GenerateRequest
-from .schemas.responses import (
+from ..types.anthropic import CountTokensRequest, MessagesRequest
+from ..types.chat import ChatCompletionRequest
+from ..types.generate import CompletionRequest, GenerateRequest
+from ..types.responses import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
     ResponsesRequest,
 )
+from .admin import require_admin
+from .routes import gateway, json_response
 
 
 class WorkerRegistration(BaseModel):

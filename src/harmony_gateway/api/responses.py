@@ -1,30 +1,30 @@
-"""Responses and Conversations routes: thin handlers over pipeline/responses.py and the store."""
+"""Responses and Conversations routes: thin handlers over the Responses service (responses/) and the store."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, NotFound
-from ..pipeline.responses import cancel_response, run_responses
-from ..pipeline.responses_events import stream_stored_events
 from ..pipeline.responses_input import new_id, normalize_items
+from ..responses import cancel_response, run_responses
+from ..responses.events import stream_stored_events
 from ..storage.base import MAX_CONVERSATION_ITEMS, StoredConversation
-from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
-from .schemas.responses import (
+from ..types.responses import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
     ResponsesRequest,
 )
+from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
 
 router = APIRouter()
 
 
-def _page_params(request: Request) -> tuple[str | None, int, str]:
+def _page_params(request: Request) -> tuple[str | None, int, Literal["asc", "desc"]]:
     q = request.query_params
     after = q.get("after") or None
     try:
@@ -34,9 +34,11 @@ def _page_params(request: Request) -> tuple[str | None, int, str]:
     if not 1 <= limit <= 100:
         raise InvalidRequest("limit must be between 1 and 100", param="limit")
     order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
-    return after, limit, order
+    if order == "asc":
+        return after, limit, "asc"
+    if order == "desc":
+        return after, limit, "desc"
+    raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
 
 
 def _list_body(page: Any) -> dict[str, Any]:
@@ -164,7 +166,8 @@ async def update_conversation(conversation_id: str, request: Request) -> Respons
     state = gateway(request)
     owner = owner_of(state, request)
     req = ConversationUpdate.model_validate(await json_body(request))
-    conv = await state.store.update_conversation_metadata(conversation_id, owner, req.metadata)
+    # `null` clears the metadata, as `{}` does.
+    conv = await state.store.update_conversation_metadata(conversation_id, owner, req.metadata or {})
     if conv is None:
         raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
     return json_response(_conversation_body(conv))

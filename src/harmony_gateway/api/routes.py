@@ -19,9 +19,9 @@ from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
+from ..types.chat import ChatCompletionRequest
 from .coalesce import coalesce
 from .error_responses import param_from_loc
-from .schemas.chat import ChatCompletionRequest
 
 router = APIRouter()
 log = logging.getLogger(__name__)

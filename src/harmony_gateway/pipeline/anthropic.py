@@ -54,8 +54,6 @@ from typing import Any
 
 import orjson
 
-from ..api.schemas.anthropic import CountTokensRequest, MessagesRequest
-from ..api.schemas.chat import ChatCompletionRequest
 from ..api.sse import event_frame
 from ..engines.base import EngineChunk
 from ..errors import GatewayError, InvalidRequest, ModelNotFound
@@ -76,6 +74,8 @@ from ..harmony.messages import (
 )
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
+from ..types.anthropic import CountTokensRequest, MessagesRequest
+from ..types.chat import ChatCompletionRequest
 from .context import GatewayState, PreparedRequest, RequestContext
 from .drive import collect, drive, open_generation
 from .hosted_tools import note_dropped_tool

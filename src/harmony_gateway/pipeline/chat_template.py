@@ -23,10 +23,10 @@ import jinja2
 import jinja2.sandbox
 from jinja2.ext import loopcontrols
 
-from ..api.schemas.chat import ChatCompletionRequest
 from ..errors import InvalidRequest, UpstreamError
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
+from ..types.chat import ChatCompletionRequest
 from .context import GatewayState, PreparedRequest
 from .prepare import (
     SELECTION_TEXT_CHARS,

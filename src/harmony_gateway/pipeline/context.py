@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
     from ..harmony.encoding import PromptRenderer
     from ..harmony.messages import Msg, PromptPrefix
+    from ..responses.runner import BackgroundRunner
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.workers import Worker
+    from ..storage.base import Store
 
 
 @dataclass(eq=False)
@@ -33,11 +35,11 @@ class GatewayState:
     fleet: Fleet
     encoding: HarmonyEncoding
     renderer: PromptRenderer
-    store: Any = None
+    store: Store = None  # type: ignore[assignment]  # set in the app lifespan before any request
     mcp: Any = None
     metrics: Any = None
     tokenizers: dict[str, Any] = field(default_factory=dict)
-    background: Any = None
+    background: BackgroundRunner = None  # type: ignore[assignment]  # as `store`
     health_config: Any = None
     #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)

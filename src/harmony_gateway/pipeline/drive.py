@@ -1,7 +1,9 @@
 """The stream driver: the one loop that owns the life of a generation once it is open.
 
 A surface opens its engine stream(s) with `open_generation` (dispatch, then the first chunk, so a
-failure before any output is an HTTP error) or with a `batch.Batch`, and hands the source to `drive`
+failure before any output is an HTTP error) or with a `batch.Batch`, or brings a source of several
+generations (a response's turns with the tool calls between them: responses/turns.py, each generation
+opened here too), and hands the source to `drive`
 (a streamed body) or `collect` (a JSON body) together with its `Framer`: what turns chunks into that
 wire's bytes, when every choice has stopped early (stop strings), the closing frames and the wire's
 terminal error frame. The driver feeds every chunk, stops reading once the framer says so, closes the
@@ -15,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..engines.base import EngineChunk
 from ..errors import GatewayError, NoHealthyWorker
 from .context import GatewayState, PreparedRequest, RequestContext
+
+if TYPE_CHECKING:
+    from ..routing.workers import Worker
 from .dispatch import dispatch
 from .reasoning_budget import with_reasoning_budget
 
@@ -57,8 +62,9 @@ class Framer(Protocol[Item]):
     unsettled: bool
 
     async def settle(self) -> None:
-        """Asynchronous work a choice's end needs before the client sees it end (storing what a later
-        request restores); the driver awaits it only while `unsettled`."""
+        """Asynchronous work due before the bytes just framed go out: storing what a later request
+        restores when a choice ends, storing a response before its terminal (or error) event, publishing
+        a background response's events. The driver awaits it only while `unsettled`."""
         ...
 
 
@@ -73,17 +79,24 @@ class NothingToSettle:
 
 
 async def open_generation(
-    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, *, stream: bool
+    state: GatewayState,
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    *,
+    stream: bool,
+    pinned: Worker | None = None,
 ) -> AsyncIterator[EngineChunk]:
     """Dispatch `prepared` and wait for the first chunk, so failures before any output are raised here
     (real HTTP errors). Returns the whole chunk stream, first chunk included; closing it aborts the
-    engine request, and the request's clean-up closes it if the body never starts."""
-    if not prepared.group.has_available_worker():
+    engine request, and the request's clean-up closes it if the body never starts. `pinned` keeps a
+    later generation of one response on the worker of the earlier ones while it is available."""
+    if pinned is None and not prepared.group.has_available_worker():
         raise NoHealthyWorker(f"no healthy worker serves model {prepared.group.name!r}")
     if prepared.max_reasoning_tokens is not None:
         stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
     # Both `dispatch` and the budgeted stream are async generators: closing one aborts the request.
-    chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
+    dispatched = dispatch(state, prepared, ctx, stream=stream, pinned=pinned)
+    chunks = with_reasoning_budget(state, prepared, ctx, dispatched)
     ctx.cleanups.append(chunks.aclose)  # idempotent; aborts the engine request if nothing else did
     try:
         first = await anext(chunks)
@@ -131,14 +144,17 @@ async def drive(
             if framer.unsettled:
                 await framer.settle()
             yield out
-        except GatewayError as exc:
-            ctx.status = exc.status_code
+        except Exception as exc:  # a gateway bug, too, must end the stream with the wire's error
+            if isinstance(exc, GatewayError):
+                ctx.status = exc.status_code
+            else:
+                log.exception("stream of %s failed", ctx.request_id, exc_info=exc)
+                ctx.status = 500
             ctx.completion_tokens = framer.completion_tokens()
-            yield framer.error(exc)
-        except Exception as exc:  # a gateway bug must still end the stream with the wire's error
-            log.exception("stream of %s failed", ctx.request_id, exc_info=exc)
-            ctx.status = 500
-            yield framer.error(exc)
+            out = framer.error(exc)
+            if framer.unsettled:
+                await framer.settle()  # e.g. store the failed response before the client hears of it
+            yield out
 
 
 async def collect(ctx: RequestContext, source: AsyncIterator[T], framer: Framer[T]) -> None:
@@ -147,6 +163,8 @@ async def collect(ctx: RequestContext, source: AsyncIterator[T], framer: Framer[
     async with contextlib.aclosing(source):  # type: ignore[type-var]
         async for item in source:
             framer.feed(item)
+            if framer.unsettled:
+                await framer.settle()
             if framer.stopped():
                 break
     ctx.completion_tokens = framer.completion_tokens()

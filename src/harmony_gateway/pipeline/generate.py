@@ -16,7 +16,7 @@ token-level interface: `/generate` is a 400 naming the model, and `/v1/completio
 upstream's `/v1/completions` one prompt at a time (the upstream's text passes through; no logprobs).
 
 Each prompt (and batch entry) is one engine request with `n` samples, dispatched with the chat stages
-(`_open_stream`, so failures before any output are HTTP errors), under its own request id
+(`drive.open_generation`, so failures before any output are HTTP errors), under its own request id
 `<id>-<prompt index>` when there are several prompts. Formats:
 
 - `/generate`: `{text, output_ids, meta_info: {id, prompt_tokens, completion_tokens, cached_tokens,
@@ -40,13 +40,13 @@ from typing import Any
 import anyio
 import orjson
 
-from ..api.schemas.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
-from ..api.schemas.limits import INT32_MAX
 from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk, SamplingOptions
 from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
+from ..types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
+from ..types.limits import INT32_MAX
 from .batch import Batch
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer

@@ -17,9 +17,6 @@ import dataclasses
 import re
 from typing import Any
 
-from ..api.schemas.anthropic import MessagesRequest
-from ..api.schemas.chat import ChatCompletionRequest
-from ..api.schemas.responses import ResponsesRequest
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
 from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, is_special
@@ -32,6 +29,9 @@ from ..harmony.text_events import (
 )
 from ..harmony.text_parser import HarmonyTextParser
 from ..routing.fleet import ModelGroup
+from ..types.anthropic import MessagesRequest
+from ..types.chat import ChatCompletionRequest
+from ..types.responses import ResponsesRequest
 from .anthropic import prepare_messages, resolve_group
 from .context import GatewayState, PreparedRequest, RequestContext
 from .prepare import prepare_chat

@@ -12,8 +12,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..api.schemas.chat import ChatCompletionRequest, ChatMessage
-from ..api.schemas.generate import CompletionRequest
 from ..engines.base import SamplingOptions
 from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS
@@ -34,6 +32,8 @@ from ..harmony.messages import (
 )
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
+from ..types.chat import ChatCompletionRequest, ChatMessage
+from ..types.generate import CompletionRequest
 from .context import GatewayState, PreparedRequest
 from .reasoning_store import recall_analyses, turn_remembering
 

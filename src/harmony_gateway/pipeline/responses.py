@@ -1,35 +1,26 @@
-"""The Responses API on the shared pipeline: prepare (items, chain, conversation → Harmony), then the
-same select/build/dispatch stages as chat, then Responses items/events, storage and background mode.
+"""The Responses API's stage code: a request (items, `previous_response_id` chain or conversation,
+tools) mapped to one Harmony turn, and each generation's output parsed into the response builder.
 
 Harmony prompt for a turn = system + developer (this request's instructions and tools only) + the
 stored history of every response in the `previous_response_id` chain (oldest first) or the
 conversation's items + this request's input. Each stored response keeps its own turn's messages
 (input and generated, exactly as generated) so chains replay losslessly.
 
-Gateway-executed tools (MCP servers, the `browser` / `python` built-ins; REFERENCE §5) turn one
-generation into a loop: tools are listed before generation (`mcp_list_tools` items, once per chain),
-each call the model makes is run (`mcp_call` / `web_search_call` / `code_interpreter_call` items), the
-call and its result are appended to the conversation, and the model generates again on the same worker
-with the remaining output budget, until a final answer, a function call, an approval request, length,
-or the `max_tool_calls` limit. All iterations stream into one response with one terminal event.
+What runs a response (the tool loop, storage, background runs, cancel) is the Responses service in
+`harmony_gateway/responses/`; it drives generations through the shared stream driver.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
-from ..api.schemas.responses import ResponsesRequest
 from ..engines.base import EngineChunk
-from ..errors import Conflict, GatewayError, InvalidRequest, NotFound
+from ..errors import Conflict, InvalidRequest, NotFound
 from ..harmony import token_parser as tp
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
 from ..harmony.messages import (
@@ -42,23 +33,20 @@ from ..harmony.messages import (
     parse_reasoning_effort,
     tool_result,
 )
-from ..mcp.approval import ApprovalDecision, declined_text, match_approvals
+from ..mcp.approval import ApprovalDecision, match_approvals
 from ..mcp.client import McpTool
 from ..mcp.tool_loop import (
-    APPROVAL,
     GATEWAY_TOOL_TYPES,
-    OVER_LIMIT,
     GatewayTools,
     ToolLoop,
     open_tool_loop,
     parse_gateway_tools,
 )
 from ..observability.tracing import traced
-from ..storage.base import MAX_CONVERSATION_ITEMS, StoredResponse
-from .background import ACTIVE_STATUSES, RUNNER_KEY
+from ..storage.base import MAX_CONVERSATION_ITEMS
+from ..types.responses import ResponsesRequest
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
-from .context import GatewayState, PreparedRequest, RequestContext, detached_context, run_cleanups
-from .dispatch import dispatch
+from .context import GatewayState, PreparedRequest, RequestContext
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
@@ -74,12 +62,9 @@ from .prepare import (
     token_budget,
     utc_date,
 )
-from .reasoning_budget import budget_exceeded, with_reasoning_budget
 from .reasoning_store import vault_for, wants_encrypted_reasoning
-from .responses_events import EventFeed, stream_stored_events
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
-from .responses_output import ResponseBuilder, usage_of
-from .run import _open_stream, await_first_chunk
+from .responses_output import ResponseBuilder
 from .text_upstream import require_token_engine
 
 log = logging.getLogger(__name__)
@@ -90,8 +75,16 @@ ROOT_KEY = "_root"
 #: Private `StoredResponse.metadata` key: the system message date of the chain's first turn, inherited.
 DATE_KEY = "_date"
 
-#: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
-CLOSE_TIMEOUT = 5.0
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    """One generation of a response: its parser and the engine's counts so far."""
+
+    parser: tp.HarmonyOutputParser
+    chunks: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -129,6 +122,50 @@ class ResponsePlan:
     #: With `include: ["reasoning.encrypted_content"]`: seals each reasoning item's text (the builder's
     #: `seal_reasoning` hook).
     seal_reasoning: Callable[[str], str] | None = None
+    #: The generation under way (None between generations).
+    turn: Turn | None = None
+
+    def start_turn(self, encoding: Any) -> Turn:
+        """A new generation of this response: its own Harmony parser, counted in `iterations`."""
+        prepared = self.prepared
+        parser = tp.HarmonyOutputParser(encoding, prepared.function_names, prepared.tool_namespaces)
+        self.parsers.append(parser)
+        self.iterations += 1
+        self.turn = Turn(parser)
+        return self.turn
+
+    def account(self, chunk: EngineChunk) -> None:
+        """One engine chunk's counts (cumulative within an engine request) and finish reason."""
+        turn = self.turn
+        assert turn is not None
+        turn.chunks += 1
+        if chunk.prompt_tokens:
+            turn.input_tokens = chunk.prompt_tokens
+        if chunk.completion_tokens:
+            turn.output_tokens = chunk.completion_tokens
+        if chunk.cached_tokens:
+            turn.cached_tokens = chunk.cached_tokens
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+
+    def end_turn(self, builder: ResponseBuilder) -> Turn:
+        """Add the generation that just ended to the response: its counts and generated messages."""
+        turn = self.turn
+        assert turn is not None
+        self.turn = None
+        parser = turn.parser
+        if not parser.output_tokens and not turn.chunks:
+            builder.on_events(parser.finish())  # an empty stream: nothing else closes the parser
+        self.input_tokens += turn.input_tokens or len(self.prepared.input_ids)
+        self.output_tokens += turn.output_tokens
+        self.cached_tokens += turn.cached_tokens
+        self.reasoning_tokens += parser.reasoning_tokens
+        self.generated.extend(_generated_messages(parser))
+        return turn
+
+    def output_tokens_so_far(self) -> int:
+        """Output tokens of the ended generations and of the one under way."""
+        return self.output_tokens + (self.turn.output_tokens if self.turn is not None else 0)
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""
@@ -519,141 +556,7 @@ def remaining_reasoning(plan: ResponsePlan) -> int | None:
     return None if limit is None else max(limit - plan.reasoning_tokens, 1)
 
 
-async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> None:
-    """Before the first generation: report the tool listings, run the calls this input approves (or tell
-    the model they were declined), and render the prompt."""
-    loop = plan.tools
-    if loop is not None:
-        for item in loop.list_items():
-            builder.add_list_tools(item)
-    if not plan.approvals:
-        return
-    for decision, placeholder in plan.approvals:
-        request = decision.request
-        recipient = f"{request.get('server_label')}.{request.get('name')}"
-        arguments = str(request.get("arguments") or "")
-        if decision.approve and loop is not None:
-            call = loop.resolve(recipient)
-            loop.calls += 1
-            slot = builder.open_approved_call(
-                str(request.get("server_label")), str(request.get("name")), arguments, decision.request_id
-            )
-            outcome = await loop.execute(call, arguments)
-            builder.complete_tool(slot, outcome.output, outcome.error)
-            text = outcome.model_text
-        else:
-            text = declined_text(decision.reason)
-        filled = placeholder._replace(text=text)
-        plan.turn_messages = [filled if m is placeholder else m for m in plan.turn_messages]
-    await render_turn(state, plan)
-
-
-async def _open_iteration(
-    state: GatewayState, plan: ResponsePlan, ctx: RequestContext, pinned: Any
-) -> tuple[AsyncIterator[Any], Any]:
-    """Dispatch one iteration and wait for its first chunk; later iterations stay on `pinned` (its
-    prefix cache holds the conversation) while it is available."""
-    if pinned is None:
-        return await _open_stream(state, plan.prepared, ctx, stream=True)
-    dispatched = dispatch(state, plan.prepared, ctx, stream=True, pinned=pinned)
-    return await await_first_chunk(with_reasoning_budget(state, plan.prepared, ctx, dispatched))
-
-
-async def generate(
-    state: GatewayState,
-    plan: ResponsePlan,
-    ctx: RequestContext,
-    builder: ResponseBuilder,
-    opened: tuple[AsyncIterator[Any], Any] | None = None,
-) -> AsyncIterator[bytes]:
-    """Run the model for this response, feeding the builder; yields stream frames as they form.
-
-    Without gateway tools this is one generation. With them, each model turn that calls tools is
-    followed by running the calls and generating again (REFERENCE §5.2); stop conditions: a turn
-    without gateway calls, a function call, an approval request, length, or the second turn that
-    calls tools after the model was told `max_tool_calls` is reached."""
-    loop = plan.tools
-    builder.tools = loop
-    if plan.prepared.return_logprob and builder.token_text is None:
-        builder.token_text = token_texts(state.encoding)
-    pinned = None
-    while True:
-        plan.iterations += 1
-        prepared = plan.prepared
-        parser = tp.HarmonyOutputParser(state.encoding, prepared.function_names, prepared.tool_namespaces)
-        plan.parsers.append(parser)
-        if opened is None:
-            opened = await _open_iteration(state, plan, ctx, pinned)
-        chunks, first = opened
-        opened = None
-        usage = _Usage()
-        async with contextlib.aclosing(chunks):
-            if first is not None:
-                usage.account(plan, first)
-                _parse_into(builder, parser, first)
-            if builder.ready():
-                yield builder.take()
-            async for chunk in chunks:
-                usage.account(plan, chunk)
-                _parse_into(builder, parser, chunk)
-                if builder.ready():
-                    yield builder.take()
-        pinned = ctx.worker
-        if not parser.output_tokens and first is None:
-            builder.on_events(parser.finish())
-        plan.input_tokens += usage.input_tokens or len(prepared.input_ids)
-        plan.output_tokens += usage.output_tokens
-        plan.cached_tokens += usage.cached_tokens
-        plan.reasoning_tokens += parser.reasoning_tokens
-        plan.generated.extend(_generated_messages(parser))
-        if loop is None:
-            return
-
-        # Run this turn's calls in order; the builder holds later output until each call is reported.
-        while builder.awaiting is not None:
-            slot = builder.awaiting
-            slot.outcome = await loop.execute(slot.decision, slot.msg.text)
-            builder.complete_tool(slot, slot.outcome.output, slot.outcome.error)
-            if builder.ready():
-                yield builder.take()
-        slots, builder.tool_slots = builder.tool_slots, []
-        if plan.finish_reason == "length" or not slots:
-            return
-        results: list[Msg] = []
-        approval = over_limit = False
-        for slot in slots:
-            if slot.cut or slot.decision is None:
-                continue
-            channel = slot.msg.channel or "commentary"
-            if slot.decision.kind == APPROVAL:
-                approval = True
-            elif slot.decision.kind == OVER_LIMIT:
-                over_limit = True
-                results.append(tool_result(slot.decision.recipient, loop.limit_text(), channel=channel))
-            elif slot.outcome is not None:
-                results.append(tool_result(slot.decision.recipient, slot.outcome.model_text, channel=channel))
-        plan.generated.extend(results)
-        if approval or not results or any(m.kind == tp.FUNCTION_CALL for m in parser.messages):
-            return
-        if over_limit:
-            plan.limit_turns += 1
-            if plan.limit_turns > 1:
-                plan.incomplete_reason = "max_tool_calls"
-                return
-        remaining = remaining_budget(plan)
-        if remaining is not None and remaining <= 0:
-            plan.finish_reason = "length"
-            return
-        try:
-            await render_turn(state, plan)
-        except InvalidRequest as exc:
-            if exc.code != "context_length_exceeded":
-                raise
-            plan.finish_reason = "length"  # the conversation outgrew the context: as a length stop
-            return
-
-
-def _parse_into(builder: ResponseBuilder, parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> None:
+def parse_into(builder: ResponseBuilder, parser: tp.HarmonyOutputParser, chunk: EngineChunk) -> None:
     """Parse one engine chunk into the builder. With logprobs requested the tokens go in one at a time,
     so each answer token's logprob rides on the text delta it forms; only tokens of final and preamble
     text are reported, never analysis, tool-call or control tokens (REFERENCE §2.7). Stream and
@@ -691,338 +594,3 @@ def token_texts(encoding: Any) -> Callable[[int], str]:
         return found
 
     return text
-
-
-@dataclass(slots=True)
-class _Usage:
-    """One iteration's engine counts (cumulative within an engine request)."""
-
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-
-    def account(self, plan: ResponsePlan, chunk: Any) -> None:
-        if chunk.prompt_tokens:
-            self.input_tokens = chunk.prompt_tokens
-        if chunk.completion_tokens:
-            self.output_tokens = chunk.completion_tokens
-        if chunk.cached_tokens:
-            self.cached_tokens = chunk.cached_tokens
-        if chunk.finished:
-            plan.finish_reason = chunk.finish_reason
-
-
-def _finish(
-    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
-) -> dict[str, Any]:
-    builder.usage = usage_of(plan.input_tokens, plan.output_tokens, plan.reasoning_tokens, plan.cached_tokens)
-    if plan.prepared.max_reasoning_tokens is not None:
-        # As chat's completion_tokens_details.reasoning_budget_exceeded (pipeline/reasoning_budget.py).
-        builder.usage["output_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
-    if plan.uses_tools:
-        _observe_iterations(state, plan)
-    if plan.finish_reason == "length":
-        return builder.finish("incomplete", incomplete_reason="max_output_tokens")
-    if plan.incomplete_reason is not None:
-        return builder.finish("incomplete", incomplete_reason=plan.incomplete_reason)
-    return builder.finish("completed")
-
-
-def _observe_iterations(state: GatewayState, plan: ResponsePlan) -> None:
-    metrics = state.metrics
-    if metrics is not None and hasattr(metrics, "mcp_iterations"):
-        metrics.mcp_iterations.labels(plan.prepared.group.name).observe(plan.iterations)
-
-
-def _record(plan: ResponsePlan, body: dict[str, Any], *, background: bool = False) -> StoredResponse:
-    metadata: dict[str, Any] = {ROOT_KEY: plan.chain_root} if plan.chain_root else {}
-    prefix = plan.prepared.prefix
-    if prefix is not None and prefix.options.conversation_start_date:
-        metadata[DATE_KEY] = prefix.options.conversation_start_date
-    return StoredResponse(
-        id=plan.response_id,
-        owner=plan.owner,
-        created_at=body["created_at"],
-        updated_at=time.time(),
-        status=body["status"],
-        model=body["model"],
-        response=body,
-        input_items=plan.input_items,
-        history=[m.to_dict() for m in (*plan.turn_messages, *plan.generated)],
-        previous_response_id=plan.request.previous_response_id,
-        conversation_id=plan.conversation_id,
-        background=background,
-        request=dict(plan.request.model_dump(exclude_none=True), tools=redacted_tools(plan.request.tools)),
-        metadata=metadata,
-    )
-
-
-async def persist(
-    state: GatewayState, plan: ResponsePlan, body: dict[str, Any], *, background: bool = False
-) -> bool:
-    """Store the response (before it is reported complete) and extend its conversation. A background
-    response is stored only while it is still queued or in progress: False (nothing written, the
-    conversation not extended) when a cancel was stored first."""
-    if plan.request.store:
-        record = _record(plan, body, background=background)
-        if background:
-            record.metadata[RUNNER_KEY] = state.background.runner_id
-            if not await state.store.update_response_if(record, ACTIVE_STATUSES):
-                return False
-        else:
-            await state.store.put_response(record)
-    if plan.conversation_id:
-        # An item_reference points at an item that is already stored (in this conversation or a
-        # response): the conversation gets the new items only, never a second copy of that id.
-        new_inputs = [item for item in plan.input_items if item.get("type") != "item_reference"]
-        added = await state.store.add_conversation_items(
-            plan.conversation_id, plan.owner, [*new_inputs, *body["output"]]
-        )
-        if added is None:
-            raise NotFound(f"Conversation with id {plan.conversation_id!r} not found", param="conversation")
-    return True
-
-
-async def run_responses(
-    state: GatewayState, req: ResponsesRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
-    # 1) prepare: items, chain or conversation, tools connected and listed
-    plan = await prepare_responses(state, req, ctx)
-    if not req.background:
-        ctx.parsers = plan.parsers  # filled per iteration, read once by finish_request
-    try:
-        if req.background:
-            return await start_background(state, plan, ctx)
-        builder = ResponseBuilder(plan.envelope, stream=req.stream)
-        builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
-        if req.stream:
-            builder.start()
-        # tool listings, approved calls, then the Harmony prompt
-        await begin(state, plan, builder)
-        ctx.prompt_tokens = len(plan.prepared.input_ids)
-        # 2) select, 3) build, 4) dispatch: wait for the first chunk so early failures are HTTP errors.
-        # A non-stream response without gateway tools takes the engine's output in one message: one
-        # gRPC message instead of one per token, the same tokens.
-        engine_stream = req.stream or plan.tools is not None
-        opened = await _open_stream(state, plan.prepared, ctx, stream=engine_stream)
-    except BaseException:
-        await plan.close_tools()
-        raise
-    if not req.stream:
-        # 5) parse (and run tools), 6) respond
-        try:
-            async for _ in generate(state, plan, ctx, builder, opened):
-                pass
-        finally:
-            await plan.close_tools()
-        body = _finish(state, plan, builder, ctx)
-        ctx.completion_tokens = plan.output_tokens
-        await persist(state, plan, body)
-        return body
-    ctx.cleanups.append(plan.close_tools)  # also when the stream never starts (client gone early)
-    return _stream(state, plan, ctx, builder, opened)
-
-
-async def _stream(
-    state: GatewayState, plan: ResponsePlan, ctx: RequestContext, builder: ResponseBuilder, opened: Any
-) -> AsyncIterator[bytes]:
-    try:
-        yield builder.take()
-        try:
-            async for piece in generate(state, plan, ctx, builder, opened):
-                yield piece
-        finally:
-            # A client that left cancels this generator, mid tool call too; the request's MCP
-            # connections still close (shielded: the cancelled scope would cancel the close too).
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-                await plan.close_tools()
-        body = _finish(state, plan, builder, ctx)
-        ctx.completion_tokens = plan.output_tokens
-        terminal = builder.frames.pop()  # stored before the client hears it is complete
-        await persist(state, plan, body)
-        yield builder.take() + terminal
-    except GatewayError as exc:
-        ctx.status = exc.status_code
-        yield await _fail_stream(state, plan, builder, exc.message)
-    except Exception as exc:
-        log.exception("responses stream failed", exc_info=exc)
-        ctx.status = 500
-        yield await _fail_stream(state, plan, builder, "internal error while generating")
-
-
-async def _fail_stream(
-    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, message: str
-) -> bytes:
-    """End a stream that failed after `response.created`: close the open items (incomplete), store the
-    failed Response when `store` is set (OpenAI keeps failed responses; GET returns it), and return the
-    closing frames, `response.failed` last. The conversation is not extended by a failed turn.
-
-    A non-stream request that fails answers with the HTTP error instead and stores nothing: its client
-    never learnt the response id."""
-    builder.take()
-    body = builder.finish("failed", error={"code": "server_error", "message": message})
-    if plan.request.store:
-        try:
-            await state.store.put_response(_record(plan, body))
-        except Exception as exc:
-            log.warning("failed response %s could not be stored: %s", plan.response_id, exc)
-    return builder.take()
-
-
-# -- background ------------------------------------------------------------------------------------
-async def start_background(
-    state: GatewayState, plan: ResponsePlan, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
-    """Store the response as queued, start its task and return at once: the queued Response, or with
-    `stream` the live events (the caller is one more subscriber; leaving does not stop the task)."""
-    builder = ResponseBuilder(plan.envelope, stream=False, record=True)
-    builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
-    feed = EventFeed(plan.response_id, state.store)
-    queued = builder.snapshot("queued")
-    builder.announce_created("queued")
-    await persist_status(state, plan, queued)
-    await feed.publish(builder.take_events())
-    await feed.flush()  # the log exists as soon as the response does
-    # Its own context: the HTTP request's clean-up (the client leaving) must never close the engine
-    # stream or tool connections this task still uses.
-    task_ctx = detached_context(ctx)
-    state.background.start(
-        plan.response_id, _run_background(state, plan, task_ctx, builder, feed), feed, state.store
-    )
-    if plan.request.stream:
-        return stream_stored_events(
-            state.store,
-            plan.response_id,
-            plan.owner,
-            -1,
-            feed,
-            idle_timeout=state.settings.timeouts.first_token,
-        )
-    return queued
-
-
-#: A cancelled response may still be rewritten by its own task (with the output generated so far).
-_CANCELLABLE = ACTIVE_STATUSES | {"cancelled"}
-
-
-async def persist_status(
-    state: GatewayState,
-    plan: ResponsePlan,
-    body: dict[str, Any],
-    *,
-    from_statuses: frozenset[str] | None = None,
-) -> bool:
-    """Store the background response's state; with `from_statuses`, only while its stored status is one
-    of them (`Store.update_response_if`): False when another writer moved it on first."""
-    record = _record(plan, body, background=True)
-    record.metadata[RUNNER_KEY] = state.background.runner_id
-    if from_statuses is None:
-        await state.store.put_response(record)
-        return True
-    return await state.store.update_response_if(record, from_statuses)
-
-
-async def _run_background(
-    state: GatewayState, plan: ResponsePlan, ctx: RequestContext, builder: ResponseBuilder, feed: EventFeed
-) -> None:
-    """The response's task: every event goes to `feed` (live subscribers and the stored log); the final
-    state is stored before the terminal event is published, on every path, cancellation included."""
-    try:
-        if not await persist_status(
-            state, plan, builder.snapshot("in_progress"), from_statuses=frozenset({"queued"})
-        ):
-            await plan.close_tools()
-            await _end_cancelled(state, plan, builder, feed)  # cancelled while queued
-            return
-        builder.announce_in_progress()
-        await feed.publish(builder.take_events())
-        try:
-            await begin(state, plan, builder)
-            async for _ in generate(state, plan, ctx, builder):
-                await feed.publish(builder.take_events())
-        finally:
-            await plan.close_tools()
-        body = _finish(state, plan, builder, ctx)
-        if not await persist(state, plan, body, background=True):
-            # A cancel was stored first: it stands, and the log ends as the store does.
-            await _end_cancelled(state, plan, builder, feed)
-            return
-        await feed.publish(builder.take_events())
-    except asyncio.CancelledError:
-        # Cancelled: POST /cancel (here, or through the watcher when it reached another replica) or
-        # shutdown. If the response already ended and that was stored, its own end stands.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
-            await _end_cancelled(state, plan, builder, feed)
-        raise
-    except Exception as exc:
-        final = builder.final
-        if final is None:
-            message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
-            if not isinstance(exc, GatewayError):
-                log.exception("background response %s failed", plan.response_id, exc_info=exc)
-            final = builder.finish("failed", error={"code": "server_error", "message": message})
-        else:
-            log.exception("background response %s could not be stored", plan.response_id, exc_info=exc)
-        stored = False
-        with contextlib.suppress(Exception):
-            stored = await persist_status(state, plan, final, from_statuses=ACTIVE_STATUSES)
-        if not stored:
-            await _end_cancelled(state, plan, builder, feed)  # the stored cancel, if any, stands
-            return
-        await feed.publish(builder.take_events())
-    finally:
-        await run_cleanups(ctx)  # this task's own engine streams
-        if state.metrics is not None:
-            state.metrics.observe_harmony(plan.parsers)
-
-
-async def _end_cancelled(
-    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, feed: EventFeed
-) -> None:
-    """End a background response as cancelled: store it with the output generated so far (unless an
-    ending was stored first, which then stands) and publish the matching terminal event."""
-    if builder.final is not None and builder.final["status"] != "cancelled":
-        with contextlib.suppress(Exception):
-            if await state.store.get_response_status(plan.response_id) == "cancelled":
-                builder.retract_final()  # that ending lost the race to the stored cancel
-    final = builder.final or builder.finish("cancelled")
-    if final["status"] == "cancelled":
-        try:
-            await persist_status(state, plan, final, from_statuses=_CANCELLABLE)
-        except Exception as exc:
-            log.warning("cancelled response %s could not be stored: %s", plan.response_id, exc)
-    await feed.publish(builder.take_events())
-
-
-async def cancel_response(state: GatewayState, response_id: str, owner: str) -> dict[str, Any]:
-    """Cancel a background response wherever it runs (REFERENCE §6.1).
-
-    The stored response becomes `cancelled` through a conditional write, so a response whose ending was
-    stored first is not touched (400, as for any finished response) and its task's later ending cannot
-    undo the cancel. The task stops at once when it runs in this process; elsewhere its watcher
-    (`background.watch_for_cancel`) reads the status within a poll interval. Either way the engine
-    request is aborted, and the task then stores the cancelled Response with what it had generated.
-    Returns the cancelled Response."""
-    record = await state.store.get_response(response_id, owner)
-    if record is None:
-        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
-    if not record.background:
-        raise InvalidRequest("Cannot cancel a synchronous response.", param="response_id")
-    if record.status in ACTIVE_STATUSES:
-        record.status = "cancelled"
-        record.updated_at = time.time()
-        record.response = dict(
-            record.response, status="cancelled", error=None, incomplete_details=None, completed_at=None
-        )
-        if await state.store.update_response_if(record, ACTIVE_STATUSES):
-            if await state.background.cancel(response_id):
-                stopped = await state.store.get_response(response_id, owner)
-                return stopped.response if stopped is not None else record.response
-            return record.response
-        found = await state.store.get_response(response_id, owner)  # it ended (or was cancelled) first
-        if found is None:
-            raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
-        record = found
-    if record.status == "cancelled":
-        return record.response
-    raise InvalidRequest(f"Cannot cancel a response with status {record.status!r}.", param="response_id")

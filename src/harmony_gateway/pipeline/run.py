@@ -6,16 +6,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..api.schemas.chat import ChatCompletionRequest
 from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk
-from ..errors import NoHealthyWorker
+from ..types.chat import ChatCompletionRequest
 from .context import GatewayState, PreparedRequest, RequestContext
-from .dispatch import dispatch
 from .drive import NothingToSettle, collect, drive, open_generation
 from .parse_output import ChoiceOutput
 from .prepare import prepare_chat, prompt_cache_key_of
-from .reasoning_budget import budget_exceeded, with_reasoning_budget
+from .reasoning_budget import budget_exceeded
 from .respond import ChatStreamWriter, chat_completion_body, chat_usage
 from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
@@ -30,34 +28,6 @@ def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: 
         choice.include_reasoning = include_reasoning
         choices.append(choice)
     return choices
-
-
-async def _open_stream(
-    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, *, stream: bool
-) -> tuple[AsyncIterator[EngineChunk], EngineChunk | None]:
-    """Dispatch and wait for the first chunk, so failures before any output are real HTTP errors."""
-    if not prepared.group.has_available_worker():
-        raise NoHealthyWorker(f"no healthy worker serves model {prepared.group.name!r}")
-    if prepared.max_reasoning_tokens is not None:
-        stream = True  # the budget is enforced on the token stream, cutting the analysis as it grows
-    chunks = with_reasoning_budget(state, prepared, ctx, dispatch(state, prepared, ctx, stream=stream))
-    ctx.cleanups.append(chunks.aclose)  # idempotent; aborts the engine request if nothing else did
-    return await await_first_chunk(chunks)
-
-
-async def await_first_chunk(
-    chunks: AsyncIterator[EngineChunk],
-) -> tuple[AsyncIterator[EngineChunk], EngineChunk | None]:
-    """`chunks` with its first chunk taken (None for an empty stream); a failure closes `chunks`, which
-    aborts the engine request, and propagates."""
-    try:
-        first = await anext(chunks)
-    except StopAsyncIteration:
-        return chunks, None
-    except BaseException:
-        await chunks.aclose()
-        raise
-    return chunks, first
 
 
 async def run_chat(
@@ -230,10 +200,3 @@ def _note_budget(usage: dict[str, Any], prepared: PreparedRequest, ctx: RequestC
     """With a reasoning budget, usage says whether it cut the analysis (see pipeline/reasoning_budget.py)."""
     if prepared.max_reasoning_tokens is not None:
         usage["completion_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
-
-
-async def _chain(first: list[EngineChunk], rest: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
-    for chunk in first:
-        yield chunk
-    async for chunk in rest:
-        yield chunk

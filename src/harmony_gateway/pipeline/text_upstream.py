@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api.schemas.chat import ChatCompletionRequest
 from ..errors import InvalidRequest
 from ..routing.fleet import ModelGroup
+from ..types.chat import ChatCompletionRequest
 from .context import GatewayState, PreparedRequest
 from .prepare import stop_strings
 from .text_output import OutputSpec

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .responses_output import frame
+from ..pipeline.responses_output import frame
 
 log = logging.getLogger(__name__)
 

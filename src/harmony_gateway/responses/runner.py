@@ -6,7 +6,7 @@ conditional write, so it never overrides an ending that was stored first), and a
 task polls the stored status every `CANCEL_POLL_SECONDS` and cancels the task when it reads
 `cancelled`; cancellation reaches `dispatch`, which aborts the engine request. On the replica that
 runs the task the cancel endpoint also cancels it directly, without waiting for the poll.
-While it runs, its live event feed (`responses_events.EventFeed`) is registered here by response id,
+While it runs, its live event feed (`events.EventFeed`) is registered here by response id,
 so a stream resumed on this replica follows it; the feed leaves with the task.
 Responses a previous run of this replica left queued or in progress are marked failed at start-up.
 """

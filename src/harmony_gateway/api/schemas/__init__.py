@@ -1,1 +1,0 @@
-"""Wire schemas: OpenAI's names for OpenAI's shapes."""

@@ -1,0 +1,8 @@
+"""The Responses service: running responses (stream, JSON, background), the tool loop between their
+generations, storing them, their event logs and cancellation. The stage code it runs on (mapping a
+request to Harmony, parsing output into items) is in `pipeline/`."""
+
+from .background import cancel_response
+from .service import run_responses
+
+__all__ = ["cancel_response", "run_responses"]
