@@ -19,7 +19,7 @@
         └── UpstreamBadOutput     502  (model output that is not Harmony at all)
 
 Each class carries `status_code`, `error_type` and a default `code`; instances may override `code`
-and `param`. Only `api/error_responses.py` and `api/sse.py` turn them into wire bodies.
+and `param`. Only `api/error_responses.py` and `api/wire_errors.py` turn them into wire bodies.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `POST /v1/messages/count_tokens`.
 
 Errors on these routes use Anthropic's body `{"type":"error","error":{"type","message"}}` (mapped once, in
-`pipeline.anthropic.anthropic_error`), so they are handled here rather than by the app's OpenAI-shaped
+`api.wire_errors.anthropic_error`), so they are handled here rather than by the app's OpenAI-shaped
 handlers. Auth accepts `x-api-key` as well as `Authorization: Bearer`. Every response carries
 `request-id` (read by the Anthropic SDK) and `x-request-id`.
 """
@@ -19,12 +19,13 @@ from starlette.responses import Response
 from ..errors import GatewayError
 from ..observability import tracing
 from ..observability.metrics import finish_request
-from ..pipeline.anthropic import anthropic_error, count_message_tokens, run_messages
+from ..pipeline.anthropic import count_message_tokens, run_messages
 from ..pipeline.context import RequestContext, new_request_id
 from ..pipeline.reasoning_budget import budget_exceeded
 from ..types.anthropic import CountTokensRequest, MessagesRequest
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
+from .wire_errors import anthropic_error, anthropic_error_frame
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ async def create_message(request: Request) -> Response:
     state = gateway(request)
     ctx: RequestContext | None = None
     try:
-        ctx = new_context(request, "messages", state)
+        ctx = new_context(request, "messages", state, error_frame=anthropic_error_frame)
         body = await json_body(request)
         if state.settings.log_prompts:
             ctx.log_extra["messages"] = body.get("messages")

@@ -22,6 +22,7 @@ from ..pipeline.run import run_chat
 from ..types.chat import ChatCompletionRequest
 from .coalesce import coalesce
 from .error_responses import param_from_loc
+from .wire_errors import openai_error_frame
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -48,7 +49,13 @@ def owner_of(state: GatewayState, request: Request) -> str:
     return hashlib.sha256(token.encode()).hexdigest()[:24]
 
 
-def new_context(request: Request, route: str, state: GatewayState) -> RequestContext:
+def new_context(
+    request: Request,
+    route: str,
+    state: GatewayState,
+    *,
+    error_frame: Callable[[BaseException], bytes] = openai_error_frame,
+) -> RequestContext:
     request_id = (
         getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or new_request_id()
     )
@@ -56,7 +63,12 @@ def new_context(request: Request, route: str, state: GatewayState) -> RequestCon
     owner = owner_of(state, request)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
     ctx = RequestContext(
-        request_id=request_id, route=route, owner=owner, routing_key=routing_key, metrics=state.metrics
+        request_id=request_id,
+        route=route,
+        owner=owner,
+        routing_key=routing_key,
+        metrics=state.metrics,
+        error_frame=error_frame,
     )
     # Read by traffic control when the request ends: its prompt and completion tokens are charged.
     request.state.request_context = ctx

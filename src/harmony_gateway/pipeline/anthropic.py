@@ -54,9 +54,8 @@ from typing import Any
 
 import orjson
 
-from ..api.sse import event_frame
 from ..engines.base import EngineChunk
-from ..errors import GatewayError, InvalidRequest, ModelNotFound
+from ..errors import InvalidRequest, ModelNotFound
 from ..harmony import token_parser as tp
 from ..harmony.encoding import ASSISTANT_STOP_IDS
 from ..harmony.messages import (
@@ -854,51 +853,16 @@ class MessagesFramer:
         )
 
     def error(self, exc: BaseException) -> bytes:
-        return error_event(exc)
+        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         choice = self._choice
         return choice.completion_tokens or choice.parser.output_tokens
 
 
-# -- errors ------------------------------------------------------------------------------------------
-#: GatewayError status → (HTTP status, Anthropic error type). Anthropic answers 529 when overloaded.
-_ERROR_TYPES: dict[int, tuple[int, str]] = {
-    400: (400, "invalid_request_error"),
-    401: (401, "authentication_error"),
-    403: (403, "permission_error"),
-    404: (404, "not_found_error"),
-    409: (409, "invalid_request_error"),
-    413: (413, "request_too_large"),
-    429: (429, "rate_limit_error"),
-    503: (529, "overloaded_error"),
-    504: (504, "timeout_error"),
-}
-
-
-def anthropic_error(exc: BaseException) -> tuple[int, dict[str, Any]]:
-    """The one mapping from an exception to Anthropic's `(status, {"type":"error","error":{type, message}})`."""
-    if isinstance(exc, GatewayError):
-        status, error_type = _ERROR_TYPES.get(exc.status_code, (exc.status_code, "api_error"))
-        if status < 400:
-            status = 500
-        where = f" (at {exc.param})"
-        message = exc.message if exc.param is None or exc.message.endswith(where) else exc.message + where
-    else:
-        status, error_type, message = 500, "api_error", "internal error"
-    return status, {"type": "error", "error": {"type": error_type, "message": message}}
-
-
-def error_event(exc: BaseException) -> bytes:
-    if not isinstance(exc, GatewayError):
-        log.exception("unexpected error while streaming a message", exc_info=exc)
-    return event_frame("error", anthropic_error(exc)[1])
-
-
 __all__ = [
     "EFFORT_BOUNDS",
     "MessageBlocks",
-    "anthropic_error",
     "anthropic_history",
     "count_message_tokens",
     "effort_for_budget",

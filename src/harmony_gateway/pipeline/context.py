@@ -55,6 +55,10 @@ def new_request_id() -> str:
     return os.urandom(12).hex()
 
 
+def _no_wire(exc: BaseException) -> bytes:
+    raise RuntimeError("this request context has no wire to frame an error for") from exc
+
+
 @dataclass(slots=True, eq=False)
 class RequestContext:
     request_id: str
@@ -86,6 +90,9 @@ class RequestContext:
     text_stats: list[Any] = field(default_factory=list)
     #: Set by `finish_request`, so a request is recorded and logged once.
     finished: bool = False
+    #: The terminal event of this request's stream when it fails after the first byte, in its wire's
+    #: shape; set by the route (api/wire_errors.py), the stages never build error bodies.
+    error_frame: Callable[[BaseException], bytes] = field(default=_no_wire)
 
 
 @dataclass(slots=True, eq=False)
@@ -133,6 +140,7 @@ def detached_context(ctx: RequestContext) -> RequestContext:
         model=ctx.model,
         log_extra=dict(ctx.log_extra),
         metrics=ctx.metrics,
+        error_frame=ctx.error_frame,
     )
 
 

@@ -40,7 +40,6 @@ from typing import Any
 import anyio
 import orjson
 
-from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk, SamplingOptions
 from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
@@ -52,6 +51,7 @@ from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
 from .drive import NothingToSettle, collect, drive, open_generation
 from .prepare import LOOP_ENCODE_CHARS, SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
+from .sse import DONE
 from .text_upstream import is_text_group, require_token_engine
 from .tokenizer import ModelTokenizer, model_tokenizer
 
@@ -520,7 +520,7 @@ class GenerateFramer(NothingToSettle):
         return DONE
 
     def error(self, exc: BaseException) -> bytes:
-        return chat_error_frame(exc)
+        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         return sum(s.tokens for group in self._samples for s in group)
@@ -794,7 +794,7 @@ class CompletionsFramer(NothingToSettle):
         return out + DONE
 
     def error(self, exc: BaseException) -> bytes:
-        return chat_error_frame(exc)
+        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         return sum(s.tokens for group in self._samples for s in group)

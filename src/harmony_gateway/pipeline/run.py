@@ -6,7 +6,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..api.sse import DONE, chat_error_frame
 from ..engines.base import EngineChunk
 from ..types.chat import ChatCompletionRequest
 from .context import GatewayState, PreparedRequest, RequestContext
@@ -15,6 +14,7 @@ from .parse_output import ChoiceOutput
 from .prepare import prepare_chat, prompt_cache_key_of
 from .reasoning_budget import budget_exceeded
 from .respond import ChatStreamWriter, chat_completion_body, chat_usage
+from .sse import DONE
 from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
 
@@ -190,7 +190,7 @@ class ChatFramer:
         return tail + DONE
 
     def error(self, exc: BaseException) -> bytes:
-        return chat_error_frame(exc)
+        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens or c.parser.output_tokens for c in self._choices)

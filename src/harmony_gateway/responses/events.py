@@ -134,9 +134,16 @@ class EventFeed:
                 await changed.wait()
 
 
-def error_event(sequence_number: int, code: str, message: str) -> bytes:
+def error_event(sequence_number: int, code: str, message: str, param: str | None = None) -> bytes:
+    """The Responses stream's `error` event: a stream that cannot reach its own terminal event."""
     return frame(
-        {"type": "error", "code": code, "message": message, "param": None, "sequence_number": sequence_number}
+        {
+            "type": "error",
+            "code": code,
+            "message": message,
+            "param": param,
+            "sequence_number": sequence_number,
+        }
     )
 
 

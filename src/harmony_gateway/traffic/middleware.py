@@ -29,10 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import orjson
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..api.wire_errors import error_body, terminal_frame
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
 from ..settings import Settings
@@ -318,42 +318,10 @@ class TrafficControl:
             await self.buckets.close()
 
 
-def _error_body(path: str, exc: GatewayError) -> tuple[int, bytes]:
-    if path == "/v1/messages":
-        from ..pipeline.anthropic import anthropic_error
-
-        status, body = anthropic_error(exc)
-        return status, orjson.dumps(body)
-    return exc.status_code, orjson.dumps({"error": exc.to_dict()})
-
-
-def _terminal_frame(path: str, exc: GatewayError, sequence_number: int) -> bytes:
-    """A stream's last event when the drain timeout cuts it, in its route's own error shape."""
-    from ..api.sse import chat_error_frame, event_frame
-
-    if path == "/v1/messages":
-        from ..pipeline.anthropic import error_event
-
-        return error_event(exc)
-    if path == "/v1/responses":
-        error = exc.to_dict()
-        return event_frame(
-            "error",
-            {
-                "type": "error",
-                "code": error["code"],
-                "message": error["message"],
-                "param": error["param"],
-                "sequence_number": sequence_number,
-            },
-        )
-    return chat_error_frame(exc)
-
-
 async def _send_error(
     send: Send, path: str, exc: GatewayError, request_id: str, extra: list[tuple[bytes, bytes]]
 ) -> None:
-    status, body = _error_body(path, exc)
+    status, body = error_body(path, exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
@@ -532,7 +500,7 @@ class _ResponseWatch:
             if not self.started:
                 await _send_error(self, self._path, exc, "", [])
             elif self.streaming and not self.finished:
-                frame = _terminal_frame(self._path, exc, self.sequence_number)
+                frame = terminal_frame(self._path, exc, self.sequence_number)
                 await self._send({"type": "http.response.body", "body": frame, "more_body": False})
 
 
