@@ -501,6 +501,8 @@ class HarmonyTextParser(_Emitter):
         self._seen_final = False
         #: A message was opened: text between messages from now on is stray, not a headerless message.
         self._had_message = False
+        #: Inside a run of text between messages (counted as one parse error when it starts).
+        self._skipping = False
         # The open header.
         self._role_text = ""
         self._channel_text = ""
@@ -729,9 +731,9 @@ class HarmonyTextParser(_Emitter):
                     pos += len(seg) - len(seg.lstrip())
                     if pos < limit and self._had_message:
                         # Text between messages (after <|end|>): no header says what it is, so it is
-                        # skipped up to the next marker, as the token-level parser does.
-                        self.stats.parse_errors += 1
-                        logger.debug("skipping text between messages")
+                        # skipped up to the next marker, as the token-level parser does. One run of it
+                        # is one error, however it was chunked.
+                        self._skip_between_messages()
                         pos = limit
                     elif pos < limit:
                         self._begin_message(None, None)
@@ -750,7 +752,7 @@ class HarmonyTextParser(_Emitter):
                     self._emit_text(self._kind, "<|", self._tool_index)
                     pos = i + 2
                 elif state is ParserState.AwaitStart and self._had_message:
-                    self.stats.parse_errors += 1
+                    self._skip_between_messages()
                     pos = i + 2
                 elif state is ParserState.AwaitStart:
                     self._begin_message(None, None)
@@ -758,6 +760,7 @@ class HarmonyTextParser(_Emitter):
                     pos = i + self._append_header("<|")
                 continue
             pos = i + len(marker)
+            self._skipping = False
             if state in _BODY_STATES:
                 self._on_body_marker(marker)
             elif state is ParserState.AwaitStart:
@@ -765,6 +768,12 @@ class HarmonyTextParser(_Emitter):
             else:
                 self._on_header_marker(marker)
         self._buf = buf[pos:] if pos < n else ""
+
+    def _skip_between_messages(self) -> None:
+        if not self._skipping:
+            self._skipping = True
+            self.stats.parse_errors += 1
+            logger.debug("skipping text between messages")
 
     def _on_body_marker(self, marker: str) -> None:
         if marker == END:
