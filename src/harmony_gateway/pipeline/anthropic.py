@@ -57,11 +57,9 @@ import orjson
 from ..engines.base import EngineChunk
 from ..errors import InvalidRequest, ModelNotFound
 from ..harmony import token_parser as tp
-from ..harmony.encoding import ASSISTANT_STOP_IDS
 from ..harmony.messages import (
     FunctionTool,
     Msg,
-    PromptPrefix,
     assistant,
     assistant_call,
     dedupe_function_tools,
@@ -79,15 +77,7 @@ from .context import GatewayState, PreparedRequest, RequestContext
 from .drive import collect, drive, open_generation
 from .hosted_tools import note_dropped_tool
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
-from .prepare import (
-    apply_tool_choice,
-    render_harmony,
-    sampling_options,
-    selection_text,
-    system_options,
-    token_budget,
-    tool_call_constraint,
-)
+from .prepare import HarmonyTurn, apply_tool_choice, prepare_harmony, sampling_options
 from .reasoning_budget import budget_exceeded
 from .reasoning_store import reasoning_vault, recall_analyses, turn_remembering
 from .text_output import TextChoiceOutput, text_parser_stats
@@ -471,12 +461,39 @@ class MessagesPlan:
     sign: Callable[[str], str] = field(default=lambda text: thinking_signature(text))
 
 
+def messages_turn(
+    request: CountTokensRequest, group: ModelGroup, tools: list[FunctionTool], restored: dict[int, str]
+) -> HarmonyTurn:
+    """Messages (or count_tokens) → one Harmony turn; `tools` are the request's (`anthropic_tools`),
+    `restored` the analyses recalled for earlier tool-use turns."""
+    effort, _, budget = thinking_options(request)
+    instructions, history = anthropic_history(request, restored)
+    full = request if isinstance(request, MessagesRequest) else None
+    return HarmonyTurn(
+        effort=effort,
+        instructions=instructions,
+        history=history,
+        sampling=sampling_options(
+            group,
+            temperature=full.temperature if full else None,
+            top_p=full.top_p if full else None,
+            top_k=full.top_k if full else None,
+        ),
+        tools=tuple(tools),
+        forces_call=request.tool_choice is not None and request.tool_choice.type in ("any", "tool"),
+        max_tokens=full.max_tokens if full else None,
+        stop_strings=stop_sequences(full.stop_sequences if full else None),
+        stream=bool(full and full.stream),
+        max_reasoning_tokens=budget,
+    )
+
+
 @traced("gateway.prepare")
 async def prepare_messages(
     state: GatewayState, request: CountTokensRequest, group: ModelGroup
 ) -> MessagesPlan:
     """Validate and render a Messages (or count_tokens) request; raises InvalidRequest naming the field."""
-    effort, show_thinking, budget = thinking_options(request)
+    _, show_thinking, _ = thinking_options(request)
     if not group.harmony:
         from .chat_template import prepare_chat_template
 
@@ -485,38 +502,10 @@ async def prepare_messages(
         )
     tools = anthropic_tools(request, unbacked=state.settings.unbacked_tools, metrics=state.metrics)
     restored = await recall_analyses(state, restorable_turns(request))
-    instructions, history = anthropic_history(request, restored)
-    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools))
-    input_ids = await render_harmony(state, prefix, history)
     full = request if isinstance(request, MessagesRequest) else None
-    sampling = sampling_options(
-        group,
-        temperature=full.temperature if full else None,
-        top_p=full.top_p if full else None,
-        top_k=full.top_k if full else None,
-    )
-    sampling.max_new_tokens = token_budget(
-        group, len(input_ids), full.max_tokens if full else None, param="messages"
-    )
-    sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
-    if request.tool_choice is not None and request.tool_choice.type in ("any", "tool"):
-        sampling.structural_tag = tool_call_constraint(tools)
-        sampling.constraint_param = "tool_choice"
-    prepared = PreparedRequest(
-        group=group,
-        input_ids=input_ids,
-        sampling=sampling,
-        selection_text=selection_text(history),
-        stream=bool(full and full.stream),
-        function_names=frozenset(t.name for t in tools),
-        stop_strings=stop_sequences(full.stop_sequences if full else None),
-        max_reasoning_tokens=budget,
-        effort=effort,
-        prefix=prefix,
-        history=history,
-        original_text="[harmony]",
-        after_turn=turn_remembering(state) if full is not None else None,
-    )
+    prepared = await prepare_harmony(state, group, messages_turn(request, group, tools, restored))
+    if full is not None:
+        prepared.after_turn = turn_remembering(state)
     if full is not None and is_text_group(group):
         # An HTTP upstream: Harmony as text, read back by the text-level parser. A thinking budget
         # needs a gRPC engine; Claude Code always sends one, so it is dropped rather than refused.

@@ -7,9 +7,11 @@ Raises `InvalidRequest` naming the offending field.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..engines.base import SamplingOptions
@@ -21,6 +23,7 @@ from ..harmony.messages import (
     PromptPrefix,
     ResponseFormat,
     SystemOptions,
+    ToolNamespace,
     assistant,
     assistant_call,
     dedupe_function_tools,
@@ -393,6 +396,137 @@ async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: lis
     return await anyio.to_thread.run_sync(renderer.render_for_completion, prefix, history)
 
 
+@dataclass(slots=True, eq=False)
+class HarmonyTurn:
+    """A request mapped to one Harmony turn by its surface's mapper (`chat_turn`,
+    `anthropic.messages_turn`, the Responses plan): pure data, which `harmony_request` and
+    `render_prompt` turn into the engine request the same way for every surface."""
+
+    effort: str
+    instructions: str | None
+    history: list[Msg]
+    #: The request's sampling fields over the model's defaults (`sampling_options`).
+    sampling: SamplingOptions
+    #: Client-side function tools, and client-side namespaces (`NAMESPACE.TOOL`): calls the client runs.
+    tools: tuple[FunctionTool, ...] = ()
+    namespaces: tuple[ToolNamespace, ...] = ()
+    #: Namespaces of tools the gateway runs (MCP servers), and every namespace whose calls it runs
+    #: (those plus the `browser` / `python` built-ins).
+    gateway_namespaces: tuple[ToolNamespace, ...] = ()
+    gateway_tool_names: frozenset[str] = frozenset()
+    browser: bool = False
+    python: bool = False
+    response_format: ResponseFormat | None = None
+    #: The tool choice forces a call: the engine constrains a call's header and arguments to `tools`.
+    forces_call: bool = False
+    #: The request fields that asked for a constraint (named when an engine cannot enforce it).
+    tool_choice_param: str = "tool_choice"
+    format_param: str = "response_format"
+    #: The output budget the request asked for, and the field a prompt over the context is blamed on.
+    max_tokens: int | None = None
+    budget_param: str = "messages"
+    #: The request's own stop token ids (the Harmony stops are always added) and stop strings.
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    n: int = 1
+    stream: bool = False
+    max_reasoning_tokens: int | None = None
+    #: The date a Responses chain or conversation started (the system message keeps it).
+    started: str | None = None
+    return_logprob: bool = False
+    top_logprobs: int = 0
+
+
+def harmony_request(state: GatewayState, group: ModelGroup, turn: HarmonyTurn) -> PreparedRequest:
+    """The Harmony prepare tail, one for every surface: the prompt prefix (system: effort, date, built-in
+    tools; developer: instructions, tools, output format), the stop ids, the output constraint and what
+    the output parser must know. The prompt itself is rendered by `render_prompt`."""
+    options = system_options(
+        state, turn.effort, browser=turn.browser, python=turn.python, started=turn.started
+    )
+    prefix = PromptPrefix(
+        options,
+        turn.instructions,
+        turn.tools,
+        (*turn.namespaces, *turn.gateway_namespaces),
+        turn.response_format,
+    )
+    sampling = turn.sampling
+    sampling.stop_token_ids = [*turn.stop_token_ids, *ASSISTANT_STOP_IDS]
+    sampling.structural_tag = output_constraint(turn.tools if turn.forces_call else (), turn.response_format)
+    sampling.constraint_param = turn.tool_choice_param if turn.forces_call else turn.format_param
+    return PreparedRequest(
+        group=group,
+        input_ids=[],
+        sampling=sampling,
+        selection_text="",
+        stream=turn.stream,
+        n=turn.n,
+        function_names=frozenset(
+            [t.name for t in turn.tools] + [f"{ns.name}.{t.name}" for ns in turn.namespaces for t in ns.tools]
+        ),
+        tool_namespaces=turn.gateway_tool_names,
+        stop_strings=turn.stop_strings,
+        max_reasoning_tokens=turn.max_reasoning_tokens,
+        effort=turn.effort,
+        return_logprob=turn.return_logprob,
+        top_logprobs=turn.top_logprobs,
+        prefix=prefix,
+        original_text="[harmony]",
+    )
+
+
+async def render_prompt(
+    state: GatewayState, prepared: PreparedRequest, history: list[Msg], max_tokens: int | None, *, param: str
+) -> PreparedRequest:
+    """`prepared` with the prompt of `history` rendered after its prefix and the output budget that leaves
+    in the context (a prompt over the context is a 400 blamed on `param`). A new object: an earlier
+    generation of the same response keeps its own."""
+    assert prepared.prefix is not None
+    input_ids = await render_harmony(state, prepared.prefix, history)
+    budget = token_budget(prepared.group, len(input_ids), max_tokens, param=param)
+    return dataclasses.replace(
+        prepared,
+        input_ids=input_ids,
+        sampling=dataclasses.replace(prepared.sampling, max_new_tokens=budget),
+        selection_text=prepared.selection_text or selection_text(history),
+        history=history,
+    )
+
+
+async def prepare_harmony(state: GatewayState, group: ModelGroup, turn: HarmonyTurn) -> PreparedRequest:
+    """`harmony_request` and `render_prompt` of one turn."""
+    prepared = harmony_request(state, group, turn)
+    return await render_prompt(state, prepared, turn.history, turn.max_tokens, param=turn.budget_param)
+
+
+def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[int, str]) -> HarmonyTurn:
+    """Chat Completions → one Harmony turn (`restored`: analyses recalled for earlier tool-call turns)."""
+    if request.logprobs or request.top_logprobs:
+        raise InvalidRequest("logprobs are not supported for Harmony models", param="logprobs")
+    if request.ignore_eos:
+        raise InvalidRequest(
+            "ignore_eos is not supported for Harmony models: stop tokens are the protocol", param="ignore_eos"
+        )
+    tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
+    instructions, history = chat_history(request.messages, restored)
+    return HarmonyTurn(
+        effort=parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort"),
+        instructions=instructions,
+        history=history,
+        sampling=request_sampling(group, request),
+        tools=tuple(tools),
+        response_format=response_format_of(request.response_format, param="response_format", nested=True),
+        forces_call=forces_tool_call(request.tool_choice),
+        max_tokens=request.max_completion_tokens or request.max_tokens,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        stop_strings=stop_strings(request.stop),
+        n=request.n,
+        stream=request.stream,
+        max_reasoning_tokens=request.max_reasoning_tokens,
+    )
+
+
 @traced("gateway.prepare")
 async def prepare_chat(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
@@ -401,41 +535,7 @@ async def prepare_chat(
         from .chat_template import prepare_chat_template
 
         return await prepare_chat_template(state, request, group)
-    if request.logprobs or request.top_logprobs:
-        raise InvalidRequest("logprobs are not supported for Harmony models", param="logprobs")
-    if request.ignore_eos:
-        raise InvalidRequest(
-            "ignore_eos is not supported for Harmony models: stop tokens are the protocol", param="ignore_eos"
-        )
-    effort = parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort")
-    tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
     restored = await recall_analyses(state, restorable_turns(request.messages))
-    instructions, history = chat_history(request.messages, restored)
-    response_format = response_format_of(request.response_format, param="response_format", nested=True)
-    prefix = PromptPrefix(system_options(state, effort), instructions, tuple(tools), (), response_format)
-    input_ids = await render_harmony(state, prefix, history)
-
-    sampling = request_sampling(group, request)
-    requested = request.max_completion_tokens or request.max_tokens
-    sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
-    sampling.stop_token_ids = [*(request.stop_token_ids or ()), *ASSISTANT_STOP_IDS]
-    sampling.structural_tag = output_constraint(
-        tools if forces_tool_call(request.tool_choice) else (), response_format
-    )
-    sampling.constraint_param = "tool_choice" if forces_tool_call(request.tool_choice) else "response_format"
-    return PreparedRequest(
-        group=group,
-        input_ids=input_ids,
-        sampling=sampling,
-        selection_text=selection_text(history),
-        stream=request.stream,
-        n=request.n,
-        function_names=frozenset(t.name for t in tools),
-        stop_strings=stop_strings(request.stop),
-        max_reasoning_tokens=request.max_reasoning_tokens,
-        effort=effort,
-        prefix=prefix,
-        history=history,
-        original_text="[harmony]",
-        after_turn=turn_remembering(state),
-    )
+    prepared = await prepare_harmony(state, group, chat_turn(request, group, restored))
+    prepared.after_turn = turn_remembering(state)
+    return prepared

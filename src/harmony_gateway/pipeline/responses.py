@@ -22,11 +22,10 @@ from typing import Any
 from ..engines.base import EngineChunk
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..harmony import token_parser as tp
-from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID
+from ..harmony.encoding import FIRST_SPECIAL_ID
 from ..harmony.messages import (
     FunctionTool,
     Msg,
-    PromptPrefix,
     ToolNamespace,
     dedupe_function_tools,
     drop_old_analysis,
@@ -50,16 +49,14 @@ from .context import GatewayState, PreparedRequest, RequestContext
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
+    HarmonyTurn,
     apply_tool_choice,
     forces_tool_call,
-    output_constraint,
+    harmony_request,
     prompt_cache_key_of,
-    render_harmony,
+    render_prompt,
     response_format_of,
     sampling_options,
-    selection_text,
-    system_options,
-    token_budget,
     utc_date,
 )
 from .reasoning_store import vault_for, wants_encrypted_reasoning
@@ -431,44 +428,32 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
                     f"approving a call to MCP server {label!r} needs that server among this request's tools",
                     param=f"input[{decision.position}]",
                 )
-        mcp_namespaces = loop.namespaces if loop is not None else ()
-        options = system_options(
-            state,
-            effort,
+        logprobs = wants_logprobs(req)
+        mapped = HarmonyTurn(
+            effort=effort,
+            instructions=instructions,
+            history=[],  # rendered by `render_turn`, with the chain's history and what runs meanwhile
+            sampling=sampling_options(group, temperature=req.temperature, top_p=req.top_p),
+            tools=tuple(tools),
+            namespaces=tuple(namespaces),
+            gateway_namespaces=loop.namespaces if loop is not None else (),
+            gateway_tool_names=loop.tool_namespaces if loop is not None else frozenset(),
             browser=loop is not None and loop.browser is not None,
             python=loop is not None and loop.python is not None,
-            started=started,
-        )
-        response_format = response_format_of(
-            (req.text or {}).get("format"), param="text.format", nested=False
-        )
-        prefix = PromptPrefix(
-            options, instructions, tuple(tools), (*namespaces, *mcp_namespaces), response_format
-        )
-        sampling = sampling_options(group, temperature=req.temperature, top_p=req.top_p)
-        sampling.stop_token_ids = list(ASSISTANT_STOP_IDS)
-        sampling.structural_tag = output_constraint(
-            tools if forces_tool_call(req.tool_choice) else (), response_format
-        )
-        sampling.constraint_param = "tool_choice" if forces_tool_call(req.tool_choice) else "text.format"
-        prepared = PreparedRequest(
-            group=group,
-            input_ids=[],
-            sampling=sampling,
-            selection_text="",
-            stream=req.stream,
-            function_names=frozenset(
-                [t.name for t in tools] + [f"{ns.name}.{t.name}" for ns in namespaces for t in ns.tools]
+            response_format=response_format_of(
+                (req.text or {}).get("format"), param="text.format", nested=False
             ),
-            tool_namespaces=loop.tool_namespaces if loop is not None else frozenset(),
-            effort=effort,
-            prefix=prefix,
+            forces_call=forces_tool_call(req.tool_choice),
+            format_param="text.format",
+            budget_param="input",
+            stream=req.stream,
             max_reasoning_tokens=req.reasoning.max_tokens if req.reasoning else None,
-            original_text="[harmony]",
+            started=started,
             # Answer-token logprobs only when included (`top_logprobs` alone is echoed, as OpenAI does).
-            return_logprob=wants_logprobs(req),
-            top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else 0,
+            return_logprob=logprobs,
+            top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
         )
+        prepared = harmony_request(state, group, mapped)
         # Never derived from x-request-id: a client may reuse one, and a stored response must not be overwritten.
         response_id = new_id("resp")
         if chain_root is None and req.store and not conversation_id:
@@ -533,19 +518,10 @@ def remaining_budget(plan: ResponsePlan) -> int | None:
 
 async def render_turn(state: GatewayState, plan: ResponsePlan) -> None:
     """Render the conversation so far (history, this input, what this response generated and ran)."""
-    prepared = plan.prepared
-    assert prepared.prefix is not None
     full = drop_old_analysis(plan.history + plan.turn_messages + plan.generated)
-    input_ids = await render_harmony(state, prepared.prefix, full)
-    budget = token_budget(prepared.group, len(input_ids), remaining_budget(plan), param="input")
-    plan.prepared = dataclasses.replace(
-        prepared,
-        input_ids=input_ids,
-        sampling=dataclasses.replace(prepared.sampling, max_new_tokens=budget),
-        selection_text=prepared.selection_text or selection_text(full),
-        history=full,
-        max_reasoning_tokens=remaining_reasoning(plan),
-    )
+    prepared = await render_prompt(state, plan.prepared, full, remaining_budget(plan), param="input")
+    prepared.max_reasoning_tokens = remaining_reasoning(plan)
+    plan.prepared = prepared
 
 
 def remaining_reasoning(plan: ResponsePlan) -> int | None:
