@@ -135,6 +135,7 @@ def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
         )
     return {
         "http": http,
+        "ws": "none",  # no WebSocket routes: uvicorn then never imports a WebSocket library
         "timeout_keep_alive": settings.keep_alive_timeout,
         "limit_concurrency": settings.max_connections,
     }

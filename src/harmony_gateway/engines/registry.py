@@ -5,7 +5,6 @@ from __future__ import annotations
 from ..errors import InvalidRequest
 from .base import EngineClient
 from .detect import DetectingGrpcClient
-from .http_upstream import HttpUpstreamClient
 from .mlx_grpc import MlxGrpcClient
 from .sglang_grpc import SglangGrpcClient
 from .tokenspeed_grpc import TokenSpeedGrpcClient
@@ -42,6 +41,9 @@ def create_client(url: str, engine: str = "auto", *, request_timeout: float = 18
         return cls(url, request_timeout=request_timeout)  # type: ignore[call-arg]
     if url.startswith(("http://", "https://")):
         # An OpenAI-compatible server, in text mode (engines/http_upstream.py); `engine` does not apply.
+        # Imported here: httpx (and the CLI extras it pulls in) costs ~20 MB a gRPC-only gateway never uses.
+        from .http_upstream import HttpUpstreamClient
+
         return HttpUpstreamClient(url, request_timeout=request_timeout)
     raise InvalidRequest(
         f"unsupported worker URL {url!r}: use grpc://host:port or http://host:port", param="url"

@@ -21,13 +21,15 @@ import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from tokenizers import Tokenizer
 
 from ..errors import UpstreamError
 from .context import GatewayState
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
@@ -79,6 +81,8 @@ def tokenizer_from_files(files: Mapping[str, bytes], source: str) -> ModelTokeni
     if "tokenizer.json" not in files:
         raise UpstreamError(f"no tokenizer.json in {source}")
     try:
+        from tokenizers import Tokenizer  # only models served with a chat template need it
+
         tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode())
     except Exception as exc:
         raise UpstreamError(f"tokenizer.json in {source} cannot be loaded: {exc}") from exc

@@ -1,4 +1,9 @@
-"""Persistence for stored Responses, background event logs and Conversations (see `base.Store`)."""
+"""Persistence for stored Responses, background event logs and Conversations (see `base.Store`).
+
+The SQL backend (SQLAlchemy, ~25 MB of imports) loads only when a SQL storage URL is opened or
+`SqlStore` / `SCHEMA_VERSION` is asked for."""
+
+from typing import Any
 
 from .base import (
     RESPONSE_STATUSES,
@@ -13,7 +18,15 @@ from .base import (
 )
 from .memory import MemoryStore
 from .registry import STORES, default_storage_url, open_store
-from .sql import SCHEMA_VERSION, SqlStore
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SCHEMA_VERSION", "SqlStore"):
+        from . import sql
+
+        return getattr(sql, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "RESPONSE_STATUSES",

@@ -12,7 +12,6 @@ from urllib.parse import parse_qsl, urlsplit
 
 from .base import Store
 from .memory import DEFAULT_MAX_CONVERSATIONS, DEFAULT_MAX_RESPONSES, MemoryStore
-from .sql import SqlStore
 
 StoreFactory = Callable[..., Store]
 
@@ -32,14 +31,21 @@ def _open_memory(url: str, *, schema: str | None = None, retention_seconds: floa
     )
 
 
+def _open_sql(url: str, *, schema: str | None = None, retention_seconds: float | None = None) -> Store:
+    """SQLite and PostgreSQL (`sql.SqlStore`), imported on first use."""
+    from .sql import SqlStore
+
+    return SqlStore(url, schema=schema, retention_seconds=retention_seconds)
+
+
 #: URL scheme -> factory(url, *, schema, retention_seconds).
 STORES: dict[str, StoreFactory] = {
     "memory": _open_memory,
-    "sqlite": SqlStore,
-    "sqlite+aiosqlite": SqlStore,
-    "postgresql": SqlStore,
-    "postgres": SqlStore,
-    "postgresql+asyncpg": SqlStore,
+    "sqlite": _open_sql,
+    "sqlite+aiosqlite": _open_sql,
+    "postgresql": _open_sql,
+    "postgres": _open_sql,
+    "postgresql+asyncpg": _open_sql,
 }
 
 
