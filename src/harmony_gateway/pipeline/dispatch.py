@@ -193,9 +193,14 @@ async def dispatch(
         finally:
             for w in workers:
                 w.in_flight -= 1
-                hook = getattr(prepared.group.policy, "on_request_done", None)
-                if hook is not None and w.kind.value == "regular":
-                    hook(w, None)
+            for w in workers:
+                if w.kind.value == "regular":
+                    try:
+                        prepared.group.policy.on_request_done(w, None)
+                    except Exception:  # a policy's bookkeeping never fails the request
+                        log.exception(
+                            "routing policy %s failed after %s", prepared.group.policy.name, ctx.request_id
+                        )
             if not finished:
                 for w in workers:
                     await _abort(w, ctx.request_id, timeouts.abort)

@@ -29,6 +29,7 @@ from ..harmony.text_events import (
 )
 from ..harmony.text_parser import HarmonyTextParser
 from ..routing.fleet import ModelGroup
+from ..routing.policy import RoutingPolicy, RoutingRequest
 from ..types.anthropic import MessagesRequest
 from ..types.chat import ChatCompletionRequest
 from ..types.responses import ResponsesRequest
@@ -167,20 +168,17 @@ def routing_of(prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]
     return out
 
 
-def _peek(policy: Any, pool: list[Any], request: Any) -> dict[str, Any]:
+def _peek(policy: RoutingPolicy, pool: list[Any], request: RoutingRequest) -> dict[str, Any]:
     worker = None
-    peek = getattr(policy, "peek", None)
-    if peek is not None:
-        try:
-            chosen = peek(pool, request)
-            worker = {"id": chosen.id, "url": chosen.public_url}
-        except NoHealthyWorker:
-            worker = None
-    match = getattr(policy, "match_length", None)
+    try:
+        chosen = policy.peek(pool, request)
+        worker = {"id": chosen.id, "url": chosen.public_url}
+    except NoHealthyWorker:
+        worker = None
     return {
-        "policy": getattr(policy, "name", type(policy).__name__),
+        "policy": policy.name,
         "worker": worker,
-        "cache_match_tokens": match(pool, request) if match is not None else None,
+        "cache_match_tokens": policy.match_length(pool, request),
         "workers": [
             {"id": w.id, "url": w.public_url, "available": w.available(), "in_flight": w.in_flight}
             for w in pool

@@ -303,7 +303,7 @@ class CacheAwarePolicy(RoutingPolicy):
             candidates, self._key(request)
         )
 
-    def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int:
+    def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int | None:
         """The longest prefix of the request's key any of `workers` is recorded to hold, in tokens
         (characters with `cache_key="selection-text"`); reads the tree without touching it."""
         key = self._key(request)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
+from .policy import RoutingPolicy
 from .workers import Worker, WorkerKind
 
 if TYPE_CHECKING:
@@ -27,9 +28,9 @@ class ModelGroup:
     name: str
     harmony: bool
     info: ModelInfo
-    policy: Any
-    prefill_policy: Any
-    decode_policy: Any
+    policy: RoutingPolicy
+    prefill_policy: RoutingPolicy | None
+    decode_policy: RoutingPolicy | None
     workers: list[Worker] = field(default_factory=list)
 
     @property
@@ -141,9 +142,8 @@ class Fleet:
             if worker in group.workers:
                 group.workers.remove(worker)
                 for policy in (group.policy, group.prefill_policy, group.decode_policy):
-                    hook = getattr(policy, "on_worker_removed", None)
-                    if hook is not None:
-                        hook(worker)
+                    if policy is not None:
+                        policy.on_worker_removed(worker)
             if not group.workers:
                 del self.groups[name]
         for callback in self.on_worker_removed:

@@ -51,7 +51,12 @@ class RoutingPolicy(Protocol):
         moves): the prompt inspector explains routing with it. Raises like `select`."""
         ...
 
-    def on_request_done(self, worker: Worker, request: RoutingRequest) -> None:
+    def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int | None:
+        """How much of the request's prefix the worker `peek` picks is known to hold (cache-aware
+        policies; None for policies that keep no such record). Reads, never changes, the policy's state."""
+        return None
+
+    def on_request_done(self, worker: Worker, request: RoutingRequest | None) -> None:
         """Called once the request placed on `worker` has finished, successfully or not."""
         return None
 
