@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from ..engines.base import EngineChunk
 from ..errors import GatewayError, NoHealthyWorker
 from .context import GatewayState, PreparedRequest, RequestContext
+from .dispatch import dispatch
+from .reasoning_budget import with_reasoning_budget
 
 if TYPE_CHECKING:
     from ..routing.workers import Worker
-from .dispatch import dispatch
-from .reasoning_budget import with_reasoning_budget
 
 log = logging.getLogger(__name__)
 
