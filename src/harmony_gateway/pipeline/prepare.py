@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +48,20 @@ def conversation_date(state: GatewayState, started: str | None = None) -> str:
     """The system message's date: the setting that pins it, else the date a Responses chain or conversation
     started (`started`, so its prompt prefix stays byte-identical across midnight and keeps hitting the
     engines' prefix caches), else today's UTC date."""
-    return state.settings.conversation_start_date or started or utc_date(dt.datetime.now(dt.UTC).timestamp())
+    return state.settings.conversation_start_date or started or utc_date(time.time())
+
+
+_SECONDS_PER_DAY = 86400
+#: The last day formatted, as (days since the epoch, "YYYY-MM-DD"): one strftime a day, not a request.
+_last_day: tuple[int, str] = (-1, "")
 
 
 def utc_date(timestamp: float) -> str:
-    return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%d")
+    global _last_day
+    day = int(timestamp // _SECONDS_PER_DAY)
+    if day != _last_day[0]:
+        _last_day = (day, dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%d"))
+    return _last_day[1]
 
 
 def system_options(
@@ -286,9 +296,10 @@ def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
 
 def prompt_cache_key_of(request: Any) -> str | None:
     """The request's `prompt_cache_key` (accepted as an extra field by every OpenAI schema), if a string."""
-    value = getattr(request, "prompt_cache_key", None)
-    if value is None:
-        value = (getattr(request, "model_extra", None) or {}).get("prompt_cache_key")
+    if "prompt_cache_key" in type(request).model_fields:
+        value = request.prompt_cache_key
+    else:  # read the extras directly: a missing attribute costs pydantic an exception
+        value = (request.model_extra or {}).get("prompt_cache_key")
     return value if isinstance(value, str) and value else None
 
 
