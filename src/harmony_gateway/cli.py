@@ -83,7 +83,7 @@ def _key_file(args: argparse.Namespace) -> dict[str, Any]:
     from .traffic.keys import read_key_file
 
     try:
-        return read_key_file(args.api_key_file)  # type: ignore[return-value]
+        return read_key_file(args.api_key_file)
     except ValueError as exc:
         raise SystemExit(f"harmony-gateway: {exc}") from None
 
@@ -894,7 +894,7 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
         if response.status_code != 200:
             message = (body.get("error") or {}).get("message") or response.text
             raise RenderFailed(f"{response.status_code}: {message}")
-        return body  # type: ignore[no-any-return]
+        return body
     from .pipeline.inspect import render_offline
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")

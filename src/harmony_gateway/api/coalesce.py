@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 
 
-async def coalesce(stream: AsyncIterator[bytes], max_pending: int = 64) -> AsyncIterator[bytes]:
+async def coalesce(stream: AsyncGenerator[bytes, None], max_pending: int = 64) -> AsyncGenerator[bytes, None]:
     """Yield the bytes of `stream`, joining the pieces that arrived while the writer was busy.
 
     The source runs in a task of its own, at most `max_pending` pieces ahead of the writer (then it

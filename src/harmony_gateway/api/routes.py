@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -135,7 +135,7 @@ def context_headers(ctx: RequestContext) -> dict[str, str]:
     return headers
 
 
-async def _logged(stream: AsyncIterator[bytes], ctx: RequestContext) -> AsyncIterator[bytes]:
+async def _logged(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> AsyncGenerator[bytes, None]:
     try:
         async for piece in stream:
             yield piece
@@ -150,7 +150,7 @@ class ClosingStreamingResponse(StreamingResponse):
     engine request would then be aborted only by garbage collection. Here the body and the request's
     `cleanups` are closed, shielded and bounded, and the request is logged once."""
 
-    def __init__(self, content: AsyncIterator[bytes], ctx: RequestContext, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncGenerator[bytes, None], ctx: RequestContext, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._ctx = ctx
 
@@ -164,7 +164,7 @@ class ClosingStreamingResponse(StreamingResponse):
             finish_request(self._ctx)
 
 
-def sse_response(stream: AsyncIterator[bytes], ctx: RequestContext) -> StreamingResponse:
+def sse_response(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> StreamingResponse:
     return ClosingStreamingResponse(
         _logged(coalesce(stream), ctx),
         ctx,

@@ -48,7 +48,7 @@ import base64
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -716,7 +716,7 @@ async def count_message_tokens(state: GatewayState, request: CountTokensRequest)
 
 async def run_messages(
     state: GatewayState, request: MessagesRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     """A Message body, or the SSE byte stream; raises GatewayError before any output."""
     group = resolve_group(state, request.model)
     ctx.model = group.name

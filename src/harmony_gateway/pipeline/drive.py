@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..engines.base import EngineChunk
@@ -123,7 +123,7 @@ async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
 
 async def drive(
     ctx: RequestContext, source: AsyncIterator[T], framer: Framer[T], head: bytes = b""
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """A streamed body: `head`, then each item's frames as they form, then the tail. A failure becomes
     the framer's error frame (after `head` was sent, the status is already 200) and sets `ctx.status`;
     the source is closed on every exit, a client leaving included."""

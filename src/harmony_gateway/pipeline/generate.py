@@ -34,7 +34,7 @@ from __future__ import annotations
 import codecs
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -140,7 +140,7 @@ def _token_bytes() -> Callable[[int], bytes]:
     return quicktok.get_encoding("o200k_base").decode_single_token_bytes  # type: ignore[no-any-return]
 
 
-def _special_text(state: GatewayState) -> Any:
+def _special_text(state: GatewayState) -> Callable[[int], str]:
     cache: dict[int, str] = {}
     decode = state.encoding.decode
 
@@ -365,9 +365,10 @@ def _generate_prompts(request: GenerateRequest) -> tuple[list[str | list[int]], 
         raise InvalidRequest("send exactly one of 'text' and 'input_ids'", param="text")
     if request.input_ids is not None:
         ids = request.input_ids
-        if ids and isinstance(ids[0], list):
-            return list(ids), True  # type: ignore[arg-type]
-        return [ids], False  # type: ignore[list-item]
+        batch = [item for item in ids if isinstance(item, list)]
+        if batch:
+            return list(batch), True
+        return [[item for item in ids if isinstance(item, int)]], False
     if isinstance(request.text, list):
         return list(request.text), True
     return [request.text or ""], False
@@ -434,7 +435,7 @@ def _generate_item(
 
 async def run_generate(
     state: GatewayState, request: GenerateRequest, ctx: RequestContext
-) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[bytes]:
+) -> dict[str, Any] | list[dict[str, Any]] | AsyncGenerator[bytes, None]:
     group = _one_group(state, request.model)
     ctx.model = group.name
     require_token_engine(group, "POST /generate", "use /v1/completions or /v1/chat/completions")
@@ -533,8 +534,8 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
     if not prompt:
         raise InvalidRequest("the prompt must not be empty", param="prompt")
     if isinstance(prompt[0], int):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
+        return [prompt]
+    return list(prompt)
 
 
 def _logprob_lists() -> dict[str, list[Any]]:
@@ -599,7 +600,7 @@ def _completion_finish(sample: RawSample) -> str:
 
 async def run_completions(
     state: GatewayState, request: CompletionRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     group = state.fleet.group(request.model)
     ctx.model = group.name
     if request.suffix:

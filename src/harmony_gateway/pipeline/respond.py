@@ -9,11 +9,15 @@ argument piece may ride along, and no chunk holds two entries with the same inde
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
+
+if TYPE_CHECKING:
+    from .text_output import TextChoiceOutput
 
 _dumps = orjson.dumps
 
@@ -125,7 +129,7 @@ class ChatStreamWriter:
         return self._head + b'],"usage":' + _dumps(usage) + b"}\n\n"
 
 
-def chat_usage(choices: list[ChoiceOutput], prompt_tokens: int) -> dict[str, Any]:
+def chat_usage(choices: Sequence[ChoiceOutput | TextChoiceOutput], prompt_tokens: int) -> dict[str, Any]:
     """n > 1: the prompt counted once, completions summed."""
     prompt = max((c.prompt_tokens for c in choices), default=0) or prompt_tokens
     completion = sum(c.completion_tokens or c.parser.output_tokens for c in choices)
@@ -144,7 +148,7 @@ def chat_completion_body(
     completion_id: str,
     created: int,
     model: str,
-    choices: list[ChoiceOutput],
+    choices: Sequence[ChoiceOutput | TextChoiceOutput],
     usage: dict[str, Any],
     reasoning_mode: str,
 ) -> dict[str, Any]:

@@ -21,7 +21,8 @@ _dumps = orjson.dumps
 
 
 def frame(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + _dumps(event) + b"\n\n"
+    kind: str = event["type"]
+    return b"event: " + kind.encode() + b"\ndata: " + _dumps(event) + b"\n\n"
 
 
 _NOT_COMPLETED = {"type": "http_error", "code": 499, "message": "the call was not completed"}

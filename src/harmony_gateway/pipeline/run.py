@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..engines.base import EngineChunk
@@ -18,13 +18,19 @@ from .sse import DONE
 from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
 
+#: One choice's output: Harmony token ids (`ChoiceOutput`) or text (`TextChoiceOutput`: non-Harmony
+#: models, HTTP upstreams).
+Choice = ChoiceOutput | TextChoiceOutput
 
-def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: bool) -> list[ChoiceOutput]:
-    # Harmony token ids → ChoiceOutput; text (non-Harmony models, HTTP upstreams) → TextChoiceOutput.
-    cls: Any = ChoiceOutput if prepared.output_adapter is None else TextChoiceOutput
-    choices = []
+
+def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: bool) -> list[Choice]:
+    choices: list[Choice] = []
     for i in range(prepared.n):
-        choice = cls(state, prepared, i)
+        choice = (
+            ChoiceOutput(state, prepared, i)
+            if prepared.output_adapter is None
+            else TextChoiceOutput(state, prepared, i)
+        )
         choice.include_reasoning = include_reasoning
         choices.append(choice)
     return choices
@@ -32,7 +38,7 @@ def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: 
 
 async def run_chat(
     state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     # 1) prepare: validate, build the Harmony conversation, render prompt ids
     group = state.fleet.group(request.model)
     ctx.model = group.name
@@ -72,14 +78,15 @@ async def run_chat(
             add_logprobs(body, choices)
         return body
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    writer_args: tuple[Any, ...] = (choices,) if prepared.return_logprob else ()
-    writer = (LogprobChatStreamWriter if prepared.return_logprob else ChatStreamWriter)(
-        *writer_args,
-        completion_id,
-        created,
-        group.name,
-        include_usage=include_usage,
-        reasoning_mode=state.settings.reasoning_fields,
+    mode = state.settings.reasoning_fields
+    writer = (
+        LogprobChatStreamWriter(
+            choices, completion_id, created, group.name, include_usage=include_usage, reasoning_mode=mode
+        )
+        if prepared.return_logprob
+        else ChatStreamWriter(
+            completion_id, created, group.name, include_usage=include_usage, reasoning_mode=mode
+        )
     )
     # 5) parse and 6) respond, per engine chunk; errors after the headers become a final error event
     framer = ChatFramer(prepared, ctx, writer, choices, include_usage)
@@ -92,7 +99,7 @@ class ChatCollector(NothingToSettle):
 
     __slots__ = ("_choices", "_stops")
 
-    def __init__(self, prepared: PreparedRequest, choices: list[ChoiceOutput]) -> None:
+    def __init__(self, prepared: PreparedRequest, choices: list[Choice]) -> None:
         self._choices = choices
         self._stops = bool(prepared.stop_strings)
 
@@ -133,7 +140,7 @@ class ChatFramer:
         prepared: PreparedRequest,
         ctx: RequestContext,
         writer: ChatStreamWriter,
-        choices: list[ChoiceOutput],
+        choices: list[Choice],
         include_usage: bool,
     ) -> None:
         self._prepared = prepared
@@ -142,10 +149,10 @@ class ChatFramer:
         self._choices = choices
         self._include_usage = include_usage
         self._emitted = [False] * len(choices)
-        self._ended: list[ChoiceOutput] = []  # finished choices whose after-turn work is due
+        self._ended: list[Choice] = []  # finished choices whose after-turn work is due
         self.unsettled = False
 
-    def _ending(self, choice: ChoiceOutput) -> None:
+    def _ending(self, choice: Choice) -> None:
         if self._prepared.after_turn is not None:
             self._ended.append(choice)
             self.unsettled = True

@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 from ..errors import NoHealthyWorker
 from ..observability.tracing import traced
-from ..routing.policy import RoutingRequest
+from ..routing.policy import RoutingPolicy, RoutingRequest
 from ..routing.workers import Worker
 from .context import PreparedRequest, RequestContext
 
@@ -23,11 +23,13 @@ def routing_request(prepared: PreparedRequest, ctx: RequestContext) -> RoutingRe
     )
 
 
-def _pick(policy: object, pool: list[Worker], request: RoutingRequest, exclude: Collection[Worker]) -> Worker:
+def _pick(
+    policy: RoutingPolicy | None, pool: list[Worker], request: RoutingRequest, exclude: Collection[Worker]
+) -> Worker:
     candidates = [w for w in pool if w not in exclude] if exclude else pool
-    if not candidates:
+    if not candidates or policy is None:
         raise NoHealthyWorker(f"no healthy worker serves model {request.model!r}")
-    return policy.select(candidates, request)  # type: ignore[attr-defined]
+    return policy.select(candidates, request)
 
 
 @traced("gateway.route")

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 async def start_background(
     state: GatewayState, plan: ResponsePlan, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     """Store the response as queued, start its task and return at once: the queued Response, or with
     `stream` the live events (the caller is one more subscriber; leaving does not stop the task)."""
     builder = ResponseBuilder(plan.envelope, stream=False, record=True)

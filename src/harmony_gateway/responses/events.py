@@ -22,7 +22,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from ..pipeline.responses_output import frame
@@ -155,7 +155,7 @@ async def stream_stored_events(
     feed: EventFeed | None,
     *,
     idle_timeout: float,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """Frames of a background response's events after `after`, then live until its terminal event.
 
     `feed` is the live feed when the response runs on this replica. Otherwise the stored log is read and

@@ -3,7 +3,7 @@ JSON body or background task) and stores it; `cancel_response` stops a backgroun
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from ..pipeline.context import GatewayState, RequestContext
@@ -18,7 +18,7 @@ from .turns import begin, turns
 
 async def run_responses(
     state: GatewayState, req: ResponsesRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncIterator[bytes]:
+) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     # 1) prepare: items, chain or conversation, tools connected and listed
     plan = await prepare_responses(state, req, ctx)
     if not req.background:

@@ -51,7 +51,7 @@ class ParserChain:
             out: list[TextEvent] = []
         else:
             tail = self.first.finish()
-            reason = next((e for e in tail if type(e) is Terminated), reason)  # type: ignore[assignment]
+            reason = next((e for e in tail if type(e) is Terminated), reason)
             out = (
                 self._pipe(tail) if self.then is not None else [e for e in tail if type(e) is not Terminated]
             )

@@ -76,7 +76,7 @@ class JsonToolCallParser:
         self.stats.content_chars += len(text)
         out = self._out
         if out and type(out[-1]) is ContentDelta:
-            out[-1] = ContentDelta(out[-1].text + text)  # type: ignore[union-attr]
+            out[-1] = ContentDelta(out[-1].text + text)
         else:
             out.append(ContentDelta(text))
 
