@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -20,7 +21,7 @@ from tests.mcp.servers import (
     stdio_command,
 )
 from tests.support.responses_stream import validate_event_stream
-from tests.support.servers import RunningGateway, running_gateway, test_settings
+from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
 
 WEATHER_TOOL = {
     "type": "function",
@@ -559,3 +560,47 @@ async def test_background_response_runs_the_loop(mc, docs) -> None:
     assert polled.status == "completed"
     assert kinds(polled) == ["mcp_list_tools", "reasoning", "mcp_call", "reasoning", "message"]
     assert "Docs result for later" in polled.output_text
+
+
+class _FailNextGeneration(list[tuple[str, dict[str, Any]]]):
+    """The docs server's call log, arming an engine failure whenever a tool runs: the generation after
+    the call (the tool loop's second) dies mid-stream."""
+
+    def __init__(self, sim: Any) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def append(self, item: tuple[str, dict[str, Any]]) -> None:
+        super().append(item)
+        self.sim.fail_next(grpc.StatusCode.INTERNAL, after_tokens=3, message="engine crashed")
+
+
+async def test_engine_failing_in_a_later_iteration_ends_the_stream_failed_and_stored(
+    mcp_gateway, sim
+) -> None:
+    """The tool loop is one source on the stream driver: a failure in its second generation, after the
+    call's items went out, ends the stream with `response.failed` (stored, as OpenAI keeps it), closes
+    what the loop opened, and aborts the engine request."""
+    calls = _FailNextGeneration(sim)
+    async with serve_mcp(build_docs_server(calls)) as failing_docs:
+        before = len(sim.requests)
+        aborted = len(sim.aborted)
+        body = {
+            "model": MODEL,
+            "input": "Please search_docs for crashes",
+            "tools": [docs_tool(failing_docs)],
+            "store": True,
+        }
+        events = await raw_stream(mcp_gateway, body)
+    types = [e["type"] for e in events]
+    assert "response.mcp_call.completed" in types  # the first generation and the call went out
+    assert types[-1] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and "engine crashed" in failed["error"]["message"]
+    assert calls == [("search_docs", {"query": "crashes"})]
+    assert len(sim.requests) - before == 2  # the loop's second generation is the one that died
+    await wait_until(lambda: len(sim.aborted) > aborted)
+    async with openai.AsyncOpenAI(base_url=mcp_gateway.base_url, api_key="k") as client:
+        stored = await client.responses.retrieve(failed["id"])
+    assert stored.status == "failed"
+    assert [item.type for item in stored.output][:3] == ["mcp_list_tools", "reasoning", "mcp_call"]
