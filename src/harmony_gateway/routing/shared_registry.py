@@ -71,6 +71,7 @@ class SharedWorkers:
         owner: str,
         *,
         interval: float = DEFAULT_SYNC_INTERVAL,
+        lease_ttl: float | None = None,
         after_sync: Callable[[], None] | None = None,
     ) -> None:
         self.fleet = fleet
@@ -78,7 +79,8 @@ class SharedWorkers:
         self.checker = checker
         self.owner = owner
         self.interval = interval
-        self.lease_ttl = interval * LEASE_INTERVALS
+        #: How long the health lease holds without a renewal (default: `LEASE_INTERVALS` reconciles).
+        self.lease_ttl = interval * LEASE_INTERVALS if lease_ttl is None else lease_ttl
         self.holds_health_lease = False
         self._admit = admit
         self._after_sync = after_sync
