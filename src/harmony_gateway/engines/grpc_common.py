@@ -26,7 +26,7 @@ from .base import (
     TokenLogprob,
     redact_url,
 )
-from .grpc_errors import map_grpc_errors
+from .grpc_errors import map_grpc_errors, translate_rpc_error
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -76,6 +76,16 @@ def set_constraint(params: Any, sampling: SamplingOptions) -> None:
         params.regex = sampling.regex
     elif sampling.structural_tag is not None:
         params.structural_tag = sampling.structural_tag
+
+
+def oneof_matched_stop(complete: Any) -> tuple[int | None, str | None]:
+    """The matched stop of a `GenerateComplete` whose wire spells it as the `matched_stop` oneof
+    (SGLang, TokenSpeed): (stop token id, stop string), at most one set."""
+    which = complete.WhichOneof("matched_stop")
+    return (
+        complete.matched_token_id if which == "matched_token_id" else None,
+        complete.matched_stop_str if which == "matched_stop_str" else None,
+    )
 
 
 class GrpcEngineClient:
@@ -135,6 +145,58 @@ class GrpcEngineClient:
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         raise NotImplementedError  # each engine module normalises its own stream
+
+    def to_proto(self, request: GenerateRequest) -> Any:
+        """The wire's `GenerateRequest` message for `request`."""
+        raise NotImplementedError
+
+    async def _scheduler_stream(
+        self, request: GenerateRequest, matched_stop: Callable[[Any], tuple[int | None, str | None]]
+    ) -> AsyncGenerator[EngineChunk, None]:
+        """`Generate` on the scheduler-style wires (SGLang, TokenSpeed, MLX: one `chunk` / `complete`
+        oneof with the same field names), normalised: chunks carry new token ids; in stream mode the
+        final `GenerateComplete` repeats the last chunk's ids (smg_grpc_servicer), so only its finish
+        reason, counts and matched stop count. The request is checked when the stream is first read;
+        the call is cancelled on every exit."""
+        self.check(request)
+        call = self._stub.Generate(
+            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
+        )
+        stream = request.stream
+        want_logprobs = request.return_logprob
+        try:
+            async for reply in call:
+                which = reply.WhichOneof("response")
+                if which == "chunk":
+                    c = reply.chunk
+                    yield EngineChunk(
+                        c.index,
+                        list(c.token_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        token_logprobs(c.output_logprobs) if want_logprobs else None,
+                    )
+                elif which == "complete":
+                    c = reply.complete
+                    stop_token, stop_str = matched_stop(c)
+                    yield EngineChunk(
+                        c.index,
+                        [] if stream else list(c.output_ids),
+                        c.prompt_tokens,
+                        c.completion_tokens,
+                        c.cached_tokens,
+                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
+                        True,
+                        c.finish_reason or "stop",
+                        stop_token,
+                        stop_str,
+                    )
+        except grpc.aio.AioRpcError as exc:
+            raise translate_rpc_error(exc, self.url) from exc
+        finally:
+            if not call.done():
+                call.cancel()
 
     async def abort(self, request_id: str, timeout: float = 2.0) -> None:
         raise NotImplementedError

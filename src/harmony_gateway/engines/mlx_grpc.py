@@ -22,16 +22,17 @@ Normalised into `EngineChunk`s:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
+from typing import Any
 
-import grpc
 from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from smg_grpc_proto.generated import mlx_engine_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, call_metadata, token_logprobs
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import GrpcEngineClient
+from .grpc_errors import map_grpc_errors
 
 CAPABILITIES = EngineCapabilities(
     n=False,
@@ -42,6 +43,11 @@ CAPABILITIES = EngineCapabilities(
     tokenizer=True,
     implicit_stops=False,
 )
+
+
+def _matched_stop(complete: Any) -> tuple[int | None, str | None]:
+    """MLX reports only a matched stop token, as an optional field."""
+    return (complete.matched_stop_token_id if complete.HasField("matched_stop_token_id") else None), None
 
 
 class MlxGrpcClient(GrpcEngineClient):
@@ -108,45 +114,11 @@ class MlxGrpcClient(GrpcEngineClient):
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
-        self.check(request)
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
-        stream = request.stream
-        want_logprobs = request.return_logprob
         completed = False
-        try:
-            async for reply in call:
-                which = reply.WhichOneof("response")
-                if which == "chunk":
-                    c = reply.chunk
-                    yield EngineChunk(
-                        c.index,
-                        list(c.token_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        token_logprobs(c.output_logprobs) if want_logprobs else None,
-                    )
-                elif which == "complete":
-                    c = reply.complete
-                    completed = True
-                    yield EngineChunk(
-                        c.index,
-                        [] if stream else list(c.output_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
-                        True,
-                        c.finish_reason or "stop",
-                        c.matched_stop_token_id if c.HasField("matched_stop_token_id") else None,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
+        async with contextlib.aclosing(self._scheduler_stream(request, _matched_stop)) as chunks:
+            async for chunk in chunks:
+                completed = chunk.finished
+                yield chunk
         if not completed:
             # The MLX servicer ends an aborted request's RPC with status OK and no Complete.
             raise UpstreamError(f"engine at {self.url} ended the request without finishing it (aborted)")

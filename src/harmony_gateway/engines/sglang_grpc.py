@@ -12,14 +12,13 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import GrpcEngineClient, oneof_matched_stop, set_constraint
+from .grpc_errors import map_grpc_errors
 
 log = logging.getLogger(__name__)
 
@@ -104,44 +103,5 @@ class SglangGrpcClient(GrpcEngineClient):
             )
         return message
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
-        self.check(request)
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
-        stream = request.stream
-        try:
-            async for reply in call:
-                which = reply.WhichOneof("response")
-                if which == "chunk":
-                    c = reply.chunk
-                    yield EngineChunk(
-                        c.index,
-                        list(c.token_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        token_logprobs(c.output_logprobs) if request.return_logprob else None,
-                    )
-                elif which == "complete":
-                    c = reply.complete
-                    matched = (
-                        c.matched_token_id if c.WhichOneof("matched_stop") == "matched_token_id" else None
-                    )
-                    yield EngineChunk(
-                        c.index,
-                        [] if stream else list(c.output_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        None if stream or not request.return_logprob else token_logprobs(c.output_logprobs),
-                        True,
-                        c.finish_reason or "stop",
-                        matched,
-                        c.matched_stop_str if c.WhichOneof("matched_stop") == "matched_stop_str" else None,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        return self._scheduler_stream(request, oneof_matched_stop)

@@ -14,14 +14,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import GrpcEngineClient, oneof_matched_stop, set_constraint
+from .grpc_errors import map_grpc_errors
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True)
 
@@ -92,46 +91,8 @@ class TokenSpeedGrpcClient(GrpcEngineClient):
             )
         return message
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
-        self.check(request)
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
-        stream = request.stream
-        want_logprobs = request.return_logprob
-        try:
-            async for reply in call:
-                which = reply.WhichOneof("response")
-                if which == "chunk":
-                    c = reply.chunk
-                    yield EngineChunk(
-                        c.index,
-                        list(c.token_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        token_logprobs(c.output_logprobs) if want_logprobs else None,
-                    )
-                elif which == "complete":
-                    c = reply.complete
-                    matched = c.WhichOneof("matched_stop")
-                    yield EngineChunk(
-                        c.index,
-                        [] if stream else list(c.output_ids),
-                        c.prompt_tokens,
-                        c.completion_tokens,
-                        c.cached_tokens,
-                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
-                        True,
-                        c.finish_reason or "stop",
-                        c.matched_token_id if matched == "matched_token_id" else None,
-                        c.matched_stop_str if matched == "matched_stop_str" else None,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        return self._scheduler_stream(request, oneof_matched_stop)
 
 
 __all__ = ["CAPABILITIES", "TokenSpeedGrpcClient"]
