@@ -70,7 +70,14 @@ async def test_spans_reach_the_collector_and_the_engine_sees_the_trace() -> None
                 assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
                 other = await http.post("/v1/chat/completions", json=chat_body(stream=False))
                 assert other.status_code == 200
-            wanted = {"gateway.prepare", "gateway.route", "gateway.engine", "gateway.stream"}
+            # The request's own span too: it ends, and is exported, after the stages' spans.
+            wanted = {
+                "POST /v1/chat/completions",
+                "gateway.prepare",
+                "gateway.route",
+                "gateway.engine",
+                "gateway.stream",
+            }
 
             def ours() -> list[tuple[str, str, str, str]]:
                 return [s for s in receiver.spans if s[0] == trace_id]
@@ -142,8 +149,15 @@ async def test_mcp_calls_are_spans_of_the_request() -> None:
                 def names() -> list[str]:
                     return [s[3] for s in receiver.spans if s[0] == trace_id]
 
-                # The tool call, between the engine calls of the two model turns (before and after it).
-                await until(lambda: "gateway.mcp.call" in names() and names().count("gateway.engine") == 2)
+                # The tool call, between the engine calls of the two model turns (before and after it),
+                # and the request's own span, which ends (and is exported) after the response was sent.
+                await until(
+                    lambda: (
+                        "gateway.mcp.call" in names()
+                        and names().count("gateway.engine") == 2
+                        and "POST /v1/responses" in names()
+                    )
+                )
                 # With --log-prompts the request's span carries the prompt fields.
                 root = next(s for s in receiver.spans if s[0] == trace_id and s[3] == "POST /v1/responses")
                 assert (
