@@ -108,6 +108,25 @@ class EngineChunk:
     upstream_delta: dict[str, Any] | None = None
 
 
+class TokenCounts(Protocol):
+    """What keeps an engine request's token counts (a choice's output, one turn of a response)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def take_counts(into: TokenCounts, chunk: EngineChunk) -> None:
+    """Keep `chunk`'s counts on `into`: they are cumulative within an engine request, and a chunk that
+    carries none (0) leaves the last known value."""
+    if chunk.prompt_tokens:
+        into.prompt_tokens = chunk.prompt_tokens
+    if chunk.completion_tokens:
+        into.completion_tokens = chunk.completion_tokens
+    if chunk.cached_tokens:
+        into.cached_tokens = chunk.cached_tokens
+
+
 @dataclass(slots=True)
 class ModelInfo:
     served_model_name: str

@@ -40,7 +40,7 @@ from typing import Any
 import anyio
 import orjson
 
-from ..engines.base import EngineChunk, SamplingOptions
+from ..engines.base import EngineChunk, SamplingOptions, take_counts
 from ..errors import InvalidRequest
 from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
 from ..routing.fleet import ModelGroup
@@ -294,12 +294,7 @@ class RawSample:
         self.ids.extend(chunk.token_ids)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
-        if chunk.prompt_tokens:
-            self.prompt_tokens = chunk.prompt_tokens
-        if chunk.completion_tokens:
-            self.completion_tokens = chunk.completion_tokens
-        if chunk.cached_tokens:
-            self.cached_tokens = chunk.cached_tokens
+        take_counts(self, chunk)
         if chunk.text is not None:
             text = chunk.text
         else:

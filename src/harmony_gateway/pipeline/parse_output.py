@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..engines.base import EngineChunk
+from ..engines.base import EngineChunk, take_counts
 from ..harmony import token_parser as tp
 from ..harmony.encoding import ASSISTANT_STOP_IDS
 from .context import GatewayState, PreparedRequest
@@ -149,12 +149,7 @@ class ChoiceOutput:
         if self.finished:
             return []
         events = parse_chunk(self.parser, chunk)
-        if chunk.prompt_tokens:
-            self.prompt_tokens = chunk.prompt_tokens
-        if chunk.completion_tokens:
-            self.completion_tokens = chunk.completion_tokens
-        if chunk.cached_tokens:
-            self.cached_tokens = chunk.cached_tokens
+        take_counts(self, chunk)
         if chunk.finished:
             self.engine_finish = chunk.finish_reason
             self.matched_stop = chunk.matched_stop_token or chunk.matched_stop_str

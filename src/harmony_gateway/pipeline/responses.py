@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import EngineChunk
+from ..engines.base import EngineChunk, take_counts
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..harmony import token_parser as tp
 from ..harmony.encoding import FIRST_SPECIAL_ID
@@ -79,8 +79,8 @@ class Turn:
 
     parser: tp.HarmonyOutputParser
     chunks: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
 
 
@@ -136,12 +136,7 @@ class ResponsePlan:
         turn = self.turn
         assert turn is not None
         turn.chunks += 1
-        if chunk.prompt_tokens:
-            turn.input_tokens = chunk.prompt_tokens
-        if chunk.completion_tokens:
-            turn.output_tokens = chunk.completion_tokens
-        if chunk.cached_tokens:
-            turn.cached_tokens = chunk.cached_tokens
+        take_counts(turn, chunk)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
 
@@ -153,8 +148,8 @@ class ResponsePlan:
         parser = turn.parser
         if not parser.output_tokens and not turn.chunks:
             builder.on_events(parser.finish())  # an empty stream: nothing else closes the parser
-        self.input_tokens += turn.input_tokens or len(self.prepared.input_ids)
-        self.output_tokens += turn.output_tokens
+        self.input_tokens += turn.prompt_tokens or len(self.prepared.input_ids)
+        self.output_tokens += turn.completion_tokens
         self.cached_tokens += turn.cached_tokens
         self.reasoning_tokens += parser.reasoning_tokens
         self.generated.extend(_generated_messages(parser))
@@ -162,7 +157,7 @@ class ResponsePlan:
 
     def output_tokens_so_far(self) -> int:
         """Output tokens of the ended generations and of the one under way."""
-        return self.output_tokens + (self.turn.output_tokens if self.turn is not None else 0)
+        return self.output_tokens + (self.turn.completion_tokens if self.turn is not None else 0)
 
     async def close_tools(self) -> None:
         """Close the request's own MCP connections (pooled ones stay); idempotent."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from ..engines.base import EngineChunk, TokenLogprob
+from ..engines.base import EngineChunk, TokenLogprob, take_counts
 from ..harmony.text_events import (
     ContentDelta,
     ReasoningDelta,
@@ -190,12 +190,7 @@ class TextChoiceOutput:
         if self.finished:
             return []
         deltas: list[tuple[Any, ...]] = []
-        if chunk.prompt_tokens:
-            self.prompt_tokens = chunk.prompt_tokens
-        if chunk.completion_tokens:
-            self.completion_tokens = chunk.completion_tokens
-        if chunk.cached_tokens:
-            self.cached_tokens = chunk.cached_tokens
+        take_counts(self, chunk)
         upstream = chunk.upstream_delta
         if upstream is not None:
             self._upstream(upstream, deltas)
