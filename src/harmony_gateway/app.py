@@ -16,20 +16,16 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI
 
-from .api.anthropic import create_message
 from .api.anthropic import router as anthropic_router
-from .api.direct_routes import DirectRoutes
+from .api.direct_routes import DirectRoutes, post_endpoints
 from .api.error_responses import install_error_handlers
-from .api.generate import completions
-from .api.generate import generate as generate_endpoint
 from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
 from .api.openapi import install_openapi
 from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
-from .api.responses import create_response
 from .api.responses import router as responses_router
-from .api.routes import chat_completions, router
+from .api.routes import router
 from .api.workers import router as workers_router
 from .engines.registry import create_client
 from .harmony.encoding import PromptRenderer, get_encoding
@@ -46,22 +42,12 @@ from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
 from .traffic import drain
-from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
+from .traffic.middleware import GENERATING_PATHS, TrafficControl, TrafficMetrics, TrafficMiddleware
 
 log = logging.getLogger(__name__)
 
 #: `serve --workers N` sets it: the file whose byte-range locks are the gateway-wide admission slots.
 SHARED_SLOTS_ENV = "HARMONY_GATEWAY_ADMISSION_SLOTS"
-
-
-#: The generating routes `DirectRoutes` calls without FastAPI's router (still registered with it).
-DIRECT_ROUTES = {
-    "/v1/chat/completions": chat_completions,
-    "/v1/responses": create_response,
-    "/v1/messages": create_message,
-    "/v1/completions": completions,
-    "/generate": generate_endpoint,
-}
 
 
 def _release_freed_memory() -> None:
@@ -242,7 +228,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     drain.current_control = control
     app.state.traffic = control
     # Innermost: the generating routes without FastAPI's per-request routing work (api/direct_routes.py).
-    app.add_middleware(DirectRoutes, routes=DIRECT_ROUTES, exception_handlers=app.exception_handlers)
+    direct = post_endpoints((router, responses_router, anthropic_router, generate_router), GENERATING_PATHS)
+    app.add_middleware(DirectRoutes, routes=direct, exception_handlers=app.exception_handlers)
     # Inside the request-id middleware: refusals carry the id too.
     app.add_middleware(TrafficMiddleware, control=control)
     app.add_middleware(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from harmony_gateway.api.direct_routes import DirectRoutes
+from harmony_gateway.api.direct_routes import DirectRoutes, post_endpoints
 
 
 class Refused(Exception):
@@ -58,3 +59,17 @@ async def test_errors_take_the_apps_exception_handlers() -> None:
     async with client() as http:
         r = await http.post("/v1/thing", json={"refuse": True})
     assert r.status_code == 418 and r.json() == {"error": {"message": "no"}}
+
+
+def test_the_generating_routes_are_found_on_the_routers() -> None:
+    from harmony_gateway.api.anthropic import router as anthropic_router
+    from harmony_gateway.api.generate import router as generate_router
+    from harmony_gateway.api.responses import create_response
+    from harmony_gateway.api.responses import router as responses_router
+    from harmony_gateway.api.routes import router
+    from harmony_gateway.traffic.middleware import GENERATING_PATHS
+
+    found = post_endpoints((router, responses_router, anthropic_router, generate_router), GENERATING_PATHS)
+    assert set(found) == GENERATING_PATHS and found["/v1/responses"] is create_response
+    with pytest.raises(ValueError, match="/v1/nothing"):
+        post_endpoints((router,), {"/v1/nothing"})

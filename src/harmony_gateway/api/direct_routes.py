@@ -10,14 +10,30 @@ registered with FastAPI, which serves every other method and path and documents 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from starlette._exception_handler import wrap_app_handling_exceptions
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def post_endpoints(routers: Iterable[Any], paths: Collection[str]) -> dict[str, Endpoint]:
+    """The endpoints the routers register for `POST path`, for each of `paths` (all must be there)."""
+    found = {
+        route.path: route.endpoint
+        for router in routers
+        for route in router.routes
+        if isinstance(route, Route) and route.path in paths and "POST" in (route.methods or ())
+    }
+    missing = set(paths) - set(found)
+    if missing:
+        raise ValueError(f"no POST route registered for {sorted(missing)}")
+    return found
 
 
 class DirectRoutes:
@@ -52,4 +68,4 @@ class DirectRoutes:
         await wrap_app_handling_exceptions(run, request)(scope, receive, send)
 
 
-__all__ = ["DirectRoutes"]
+__all__ = ["DirectRoutes", "post_endpoints"]
