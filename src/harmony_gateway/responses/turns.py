@@ -81,7 +81,11 @@ async def turns(
     try:
         while True:
             plan.start_turn(state.encoding)
-            chunks = first or await open_generation(state, plan.prepared, ctx, stream=True, pinned=pinned)
+            chunks = (
+                first
+                if first is not None
+                else await open_generation(state, plan.prepared, ctx, stream=True, pinned=pinned)
+            )
             first = None
             async with contextlib.aclosing(chunks):  # type: ignore[type-var]
                 async for chunk in chunks:
