@@ -386,7 +386,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key-file",
         default=None,
-        help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P",
+        help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P "
+        "tenant=NAME (keys of one tenant share stored responses and conversations)",
     )
     p.add_argument(
         "--admin-key",

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .traffic.keys import KeyPolicy
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -126,7 +128,7 @@ class Settings:
     #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
     rate_limit_store: str | None = None
     #: Key file entries with their own limits and priority (`traffic.keys.KeyPolicy`), by key.
-    key_policies: dict[str, Any] = field(default_factory=dict)
+    key_policies: dict[str, KeyPolicy] = field(default_factory=dict)
     #: SIGTERM: seconds in-flight requests may take to finish before they are cut.
     drain_timeout: float = 30.0
     #: OTLP/HTTP collector base URL (http://host:4318); None: tracing off.

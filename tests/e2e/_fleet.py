@@ -12,6 +12,7 @@ import httpx
 
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
+from tests.support.servers import client_request_id
 
 _ids = itertools.count()
 
@@ -48,7 +49,11 @@ async def chat(
 
 def served_by(request_id: str, engines: Sequence[RunningSim]) -> list[int]:
     """Indexes of the engines that received `request_id`."""
-    return [i for i, sim in enumerate(engines) if any(r.request_id == request_id for r in sim.requests)]
+    return [
+        i
+        for i, sim in enumerate(engines)
+        if any(client_request_id(r.request_id) == request_id for r in sim.requests)
+    ]
 
 
 def answer_text(response: httpx.Response) -> str:

@@ -16,7 +16,13 @@ from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.support import servers
-from tests.support.servers import RunningGateway, running_gateway, wait_until
+from tests.support.servers import (
+    RunningGateway,
+    client_request_id,
+    client_request_ids,
+    running_gateway,
+    wait_until,
+)
 
 WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
@@ -174,7 +180,7 @@ async def test_tool_round_trip_to_a_final_answer(client: openai.AsyncOpenAI, sim
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == 'The tool functions.get_weather returned: "18C and sunny".'
-    [seen] = [req for req in sim.requests if req.request_id == request_id]
+    [seen] = [req for req in sim.requests if client_request_id(req.request_id) == request_id]
     prompt = get_encoding().decode_utf8(seen.input_ids)
     assert (
         "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>"
@@ -327,7 +333,7 @@ async def test_request_id_is_honoured_and_echoed(client: openai.AsyncOpenAI, sim
     )
     assert raw.headers["x-request-id"] == request_id
     assert raw.parse().id == "chatcmpl-" + request_id
-    assert any(req.request_id == request_id for req in sim.requests)
+    assert any(client_request_id(req.request_id) == request_id for req in sim.requests)
     generated = await client.chat.completions.with_raw_response.create(model=MODEL, messages=user("Hi"))
     assert generated.headers["x-request-id"]
 
@@ -384,7 +390,7 @@ async def test_client_disconnect_aborts_the_engine_request() -> None:
                     seen += 1
                 if seen >= 3:
                     break
-        await wait_until(lambda: request_id in engine.aborted, timeout=5)
+        await wait_until(lambda: request_id in client_request_ids(engine.aborted), timeout=5)
         await wait_until(lambda: engine.active_requests == 0, timeout=5)
 
 

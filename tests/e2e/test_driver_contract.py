@@ -20,7 +20,13 @@ import pytest
 from harmony_gateway.settings import Timeouts
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
-from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
+from tests.support.servers import (
+    RunningGateway,
+    client_request_ids,
+    running_gateway,
+    test_settings,
+    wait_until,
+)
 
 
 def _harmony(text: str) -> str:
@@ -213,7 +219,7 @@ async def test_engine_dies_before_the_first_token(
     assert "engine died" in r.text
     route, status = await _ends(gw, finished, request_id)
     assert route == surface.route and status in (503, surface.status(503))
-    assert request_id in paced.aborted
+    assert request_id in client_request_ids(paced.aborted)
     assert _stored(gw) == stored
 
 
@@ -232,7 +238,7 @@ async def test_engine_dies_after_the_first_token(
         assert r.status_code >= 500 and "engine crashed" in r.text, r.text
     route, status = await _ends(gw, finished, request_id)
     assert route == surface.route and status >= 500
-    assert request_id in paced.aborted
+    assert request_id in client_request_ids(paced.aborted)
     # A streamed Responses failure is stored as `failed` (its client knows the id); nothing else is.
     assert _stored(gw) == stored + (1 if stream and surface.name == "responses" else 0)
 
@@ -254,7 +260,7 @@ async def test_client_leaves_mid_stream(
                 if seen == 8:
                     break
     await _ends(gw, finished, request_id)
-    await wait_until(lambda: request_id in paced.aborted, timeout=10)
+    await wait_until(lambda: request_id in client_request_ids(paced.aborted), timeout=10)
     assert _stored(gw) == stored
 
 
@@ -271,7 +277,7 @@ async def test_first_token_timeout(
         assert await _ends(impatient, probe, request_id) == (surface.route, 504)
     finally:
         probe.close()
-    await wait_until(lambda: request_id in stalling.aborted, timeout=10)
+    await wait_until(lambda: request_id in client_request_ids(stalling.aborted), timeout=10)
     assert _stored(impatient) == stored
 
 

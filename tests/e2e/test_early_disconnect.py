@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harmony_gateway.sim import SimConfig, start_sim_engine
 from tests.conftest import MODEL
-from tests.support.servers import running_gateway, test_settings, wait_until
+from tests.support.servers import client_request_ids, running_gateway, test_settings, wait_until
 
 
 def _requests_total(text: str, route: str) -> float:
@@ -46,7 +46,7 @@ async def test_stream_abandoned_before_headers_is_aborted_and_counted() -> None:
                     % MODEL.encode()
                 )
                 await _leave_before_first_byte(port, "/v1/chat/completions", body, "leaves-early")
-                await wait_until(lambda: "leaves-early" in slow.aborted, timeout=10)
+                await wait_until(lambda: "leaves-early" in client_request_ids(slow.aborted), timeout=10)
                 await wait_until(lambda: slow.active_requests == 0, timeout=10)
                 after = _requests_total((await http.get("/metrics")).text, "chat")
                 assert after == before + 1

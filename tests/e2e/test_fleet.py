@@ -12,7 +12,7 @@ import httpx
 from harmony_gateway.sim import SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.e2e._fleet import answer_text, chat, next_request_id, served_by, sims
-from tests.support.servers import running_gateway, wait_until
+from tests.support.servers import client_request_id, client_request_ids, running_gateway, wait_until
 from tests.support.servers import test_settings as gateway_settings
 
 FAST = {"health_interval": 0.2, "health_timeout": 0.5, "breaker_cooldown": 0.2}
@@ -97,7 +97,7 @@ async def test_killed_worker_is_routed_around_and_returns_after_restart() -> Non
                 rids = [next_request_id("back") for _ in range(4)]
                 for rid in rids:
                     assert (await chat(http, request_id=rid)).status_code == 200
-                assert sum(1 for r in restarted.requests if r.request_id in rids) == 2
+                assert sum(1 for r in restarted.requests if client_request_id(r.request_id) in rids) == 2
             finally:
                 await restarted.stop()
 
@@ -129,8 +129,8 @@ async def test_pd_shares_one_bootstrap_room_and_answers_from_decode() -> None:
                 r = await chat(http, request_id=rid, stream=stream)
                 assert r.status_code == 200, r.text
                 assert "simulated answer" in answer_text(r)
-                (p,) = [q for q in prefill.requests if q.request_id == rid]
-                (d,) = [q for q in decode.requests if q.request_id == rid]
+                (p,) = [q for q in prefill.requests if client_request_id(q.request_id) == rid]
+                (d,) = [q for q in decode.requests if client_request_id(q.request_id) == rid]
                 assert p.bootstrap_room is not None and p.bootstrap_room == d.bootstrap_room
                 assert p.bootstrap_host == d.bootstrap_host == "127.0.0.1"
                 assert p.bootstrap_port == d.bootstrap_port == 9123  # learned from the prefill's server info
@@ -152,7 +152,7 @@ async def test_pd_dead_prefill_fails_cleanly_and_aborts_decode() -> None:
             r = await chat(http, request_id=rid)
             assert time.monotonic() - started < 2.0  # decode would wait 3 s for its first token
             assert r.status_code >= 500 and r.json()["error"]["type"] == "server_error"
-            await wait_until(lambda: rid in decode.aborted, timeout=2)
+            await wait_until(lambda: rid in client_request_ids(decode.aborted), timeout=2)
             await prefill.stop()
             r = await chat(http)
             assert r.status_code in (502, 503), r.text

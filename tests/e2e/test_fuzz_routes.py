@@ -43,7 +43,13 @@ from harmony_gateway.types.chat import ChatCompletionRequest
 from harmony_gateway.types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
 from harmony_gateway.types.responses import ResponsesRequest
 from tests.conftest import MODEL
-from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
+from tests.support.servers import (
+    RunningGateway,
+    client_request_ids,
+    running_gateway,
+    test_settings,
+    wait_until,
+)
 
 REQUEST_TIMEOUT = 20.0
 FUZZ = settings(
@@ -591,7 +597,7 @@ async def test_client_leaving_a_stream_at_random_points(
                             break
                         if line.startswith("data:"):
                             seen += 1
-            await wait_until(lambda rid=request_id: rid in engine.aborted, timeout=5)
+            await wait_until(lambda rid=request_id: rid in client_request_ids(engine.aborted), timeout=5)
         await wait_until(lambda: engine.active_requests == 0, timeout=5)
         await assert_healthy(http)
 
@@ -603,7 +609,7 @@ async def test_client_leaving_before_the_first_byte(slow_gateway: tuple[RunningS
             request_id = f"early{kind}{uuid.uuid4().hex[:8]}"
             with anyio.move_on_after(0.2):
                 await http.post(path, json={**body, "stream": True}, headers={"x-request-id": request_id})
-            await wait_until(lambda rid=request_id: rid in engine.aborted, timeout=5)
+            await wait_until(lambda rid=request_id: rid in client_request_ids(engine.aborted), timeout=5)
         await wait_until(lambda: engine.active_requests == 0, timeout=5)
         await assert_healthy(http)
 

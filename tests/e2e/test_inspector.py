@@ -24,7 +24,7 @@ from openai_harmony import (
 from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim
 from tests.conftest import MODEL
-from tests.support.servers import TEST_DATE, RunningGateway, running_gateway, test_settings
+from tests.support.servers import TEST_DATE, RunningGateway, client_request_id, running_gateway, test_settings
 
 # openai-harmony's HarmonyEncoding, loaded with the offline vocabulary the gateway provisions.
 ENCODING = get_encoding()
@@ -225,7 +225,7 @@ async def test_rendered_ids_are_what_the_engine_receives(
     request_id = f"inspect-{api}-{len(expected)}-{before}"
     sent = await http.post(PATHS[api], json=body, headers={"x-request-id": request_id})
     assert sent.status_code == 200, sent.text
-    received = [r for r in sim.requests[before:] if r.request_id == request_id]
+    received = [r for r in sim.requests[before:] if client_request_id(r.request_id) == request_id]
     assert received, "the engine never saw the request"
     assert received[0].input_ids == expected
     assert received[0].sampling.get("stop_token_ids", [])[-2:] == shown["stop_token_ids"][-2:]

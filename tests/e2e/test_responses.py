@@ -10,6 +10,7 @@ import pytest
 from harmony_gateway.harmony.encoding import get_encoding
 from tests.conftest import MODEL
 from tests.support.responses_stream import validate_event_stream
+from tests.support.servers import client_request_ids
 
 WEATHER_TOOL = {
     "type": "function",
@@ -160,6 +161,6 @@ async def test_background_poll_and_cancel(gateway, sim) -> None:
                 cancelled = await c.responses.cancel(long.id)
                 assert cancelled.status == "cancelled"
                 # This response's own engine request was aborted (its request id is the engine's).
-                assert long._request_id and long._request_id in slow.aborted
+                assert long._request_id and long._request_id in client_request_ids(slow.aborted)
                 with pytest.raises(openai.BadRequestError):
                     await c.responses.cancel(r.id)

@@ -14,7 +14,14 @@ import pytest
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.support.responses_stream import validate_event_stream
-from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
+from tests.support.servers import (
+    RunningGateway,
+    client_request_id,
+    client_request_ids,
+    running_gateway,
+    test_settings,
+    wait_until,
+)
 
 
 def _client(gw: RunningGateway) -> openai.AsyncOpenAI:
@@ -169,13 +176,15 @@ async def test_cancel_through_another_replica(slow_gateway: RunningGateway, slow
             )
             engine_request_id = created._request_id
             assert engine_request_id
-            await wait_until(lambda: any(r.request_id == engine_request_id for r in slow_sim.requests))
+            await wait_until(
+                lambda: any(client_request_id(r.request_id) == engine_request_id for r in slow_sim.requests)
+            )
             assert slow_gateway.state.background.running(created.id)
             assert not other.state.background.running(created.id)
 
             cancelled = await o.responses.cancel(created.id)
             assert cancelled.id == created.id and cancelled.status == "cancelled"
-            await wait_until(lambda: engine_request_id in slow_sim.aborted, timeout=5)
+            await wait_until(lambda: engine_request_id in client_request_ids(slow_sim.aborted), timeout=5)
             await wait_until(lambda: not slow_gateway.state.background.running(created.id), timeout=5)
             stored = await c.responses.retrieve(created.id)
             assert stored.status == "cancelled" and stored.error is None

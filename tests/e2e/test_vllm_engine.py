@@ -9,7 +9,7 @@ import pytest
 from harmony_gateway.sim import SimConfig
 from tests.conftest import MODEL
 from tests.e2e._fleet import answer_text, chat, next_request_id, sims
-from tests.support.servers import running_gateway
+from tests.support.servers import client_request_id, running_gateway
 from tests.support.servers import test_settings as gateway_settings
 
 
@@ -62,7 +62,7 @@ async def test_vllm_pd_passes_kv_transfer_params() -> None:
             assert r.status_code == 200 and "simulated answer" in answer_text(r)
     (prefill_req,) = p.requests
     (decode_req,) = d.requests
-    assert prefill_req.request_id == decode_req.request_id == rid
+    assert prefill_req.request_id == decode_req.request_id and client_request_id(decode_req.request_id) == rid
     assert prefill_req.kv_transfer_params["do_remote_decode"] is True
     assert decode_req.kv_transfer_params["do_remote_prefill"] is True
     assert prefill_req.kv_transfer_params["bootstrap_room"] == decode_req.kv_transfer_params["bootstrap_room"]

@@ -13,6 +13,7 @@ import uvicorn
 from harmony_gateway.api.admin import admin_server
 from harmony_gateway.api.http_protocol import server_options
 from harmony_gateway.app import create_app
+from harmony_gateway.pipeline.context import ENGINE_ID_SEPARATOR
 from harmony_gateway.settings import Settings
 
 TEST_DATE = "2026-01-15"
@@ -107,3 +108,12 @@ async def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+def client_request_id(engine_id: str) -> str:
+    """The client-visible request id an engine request id was made from (`pipeline.context`)."""
+    return engine_id.rsplit(ENGINE_ID_SEPARATOR, 1)[0]
+
+
+def client_request_ids(engine_ids: Any) -> set[str]:
+    return {client_request_id(engine_id) for engine_id in engine_ids}

@@ -23,6 +23,7 @@ from fastapi import Request
 from starlette.responses import JSONResponse
 
 from ..errors import AuthenticationFailed, PermissionDenied
+from ..principal import presented_key
 from ..settings import Settings
 
 #: The ASGI scope key the admin listener sets on every request it accepts.
@@ -59,13 +60,6 @@ def on_admin_listener(request: Request) -> bool:
     return bool(request.scope.get(ADMIN_LISTENER_SCOPE))
 
 
-def bearer_token(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    if header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return request.headers.get("x-api-key", "")
-
-
 def require_admin(settings: Settings, request: Request) -> None:
     """Raise unless the request holds the admin credential (see the table above)."""
     admin_listener = on_admin_listener(request)
@@ -82,7 +76,7 @@ def require_admin(settings: Settings, request: Request) -> None:
             "separate admin listener) to manage workers",
             code="admin_plane_disabled",
         )
-    token = bearer_token(request)
+    token = presented_key(request.headers)
     if token and token in settings.admin_keys:
         return
     if not token:

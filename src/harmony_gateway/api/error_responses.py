@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def request_id_of(request: Request) -> str:
-    return getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or ""
+    return getattr(request.state, "request_id", None) or ""
 
 
 def error_response(

@@ -7,10 +7,21 @@ names an id keeps it.
 
 from __future__ import annotations
 
+import re
+
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..pipeline.context import new_request_id
+
+_WELL_FORMED = re.compile(r"[A-Za-z0-9_.:/+=@-]{1,128}")
+
+
+def accepted_request_id(client_id: str | None) -> str:
+    """The client's id when it is well formed, else a fresh one."""
+    if client_id and _WELL_FORMED.fullmatch(client_id):
+        return client_id
+    return new_request_id()
 
 
 class RequestIdMiddleware:
@@ -21,7 +32,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = Headers(scope=scope).get("x-request-id") or new_request_id()
+        request_id = accepted_request_id(Headers(scope=scope).get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message: Message) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -19,6 +18,7 @@ from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
+from ..principal import Principal, authenticate
 from ..types.chat import ChatCompletionRequest
 from .coalesce import coalesce
 from .error_responses import param_from_loc
@@ -37,16 +37,22 @@ def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
+def principal_of(state: GatewayState, request: Request) -> Principal:
+    """The request's tenant principal (`ANONYMOUS` when the gateway is open); 401 when keys are
+    configured and the request's key is missing or unknown. Traffic control authenticated it already on
+    the routes it sees; the principal it found is reused."""
+    principal = request.scope.get("state", {}).get("principal")
+    if principal is None:
+        principal = authenticate(state.settings, request.headers)
+        if principal is None:
+            raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+        request.state.principal = principal
+    return principal  # type: ignore[no-any-return]
+
+
 def owner_of(state: GatewayState, request: Request) -> str:
-    """The API key's owner id ("" when the gateway is open); 401 when keys are configured and missing."""
-    keys = state.settings.api_keys
-    if not keys:
-        return ""
-    header = request.headers.get("authorization", "")
-    token = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-    if not token or token not in keys:
-        raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
-    return hashlib.sha256(token.encode()).hexdigest()[:24]
+    """The tenant that owns what the request stores and reads (see `principal_of`)."""
+    return principal_of(state, request).tenant
 
 
 def new_context(
@@ -56,16 +62,14 @@ def new_context(
     *,
     error_frame: Callable[[BaseException], bytes] = openai_error_frame,
 ) -> RequestContext:
-    request_id = (
-        getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or new_request_id()
-    )
+    request_id = getattr(request.state, "request_id", None) or new_request_id()
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
-    owner = owner_of(state, request)
+    principal = principal_of(state, request)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
     ctx = RequestContext(
         request_id=request_id,
         route=route,
-        owner=owner,
+        principal=principal,
         routing_key=routing_key,
         metrics=state.metrics,
         error_frame=error_frame,

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import anyio
 
 from ..engines.base import EngineChunk
-from .context import CLEANUP_TIMEOUT, GatewayState, PreparedRequest, RequestContext
+from .context import CLEANUP_TIMEOUT, GatewayState, PreparedRequest, RequestContext, engine_request_id
 
 #: How many chunks the sub-requests may have queued before the slowest consumer holds them back.
 QUEUE_SIZE = 64
@@ -35,9 +35,19 @@ _END = object()
 def child_context(ctx: RequestContext, index: int, count: int) -> RequestContext:
     """The context of sub-request `index`: its own request id when there are several, its own clean-ups
     and worker either way (the parent's clean-up closes the whole batch, never one stream twice)."""
-    request_id = f"{ctx.request_id}-{index}" if count > 1 else ctx.request_id
+    if count == 1:
+        request_id, engine_id = ctx.request_id, ctx.engine_id
+    else:
+        request_id = f"{ctx.request_id}-{index}"
+        engine_id = engine_request_id(request_id)
     return dataclasses.replace(
-        ctx, request_id=request_id, log_extra={}, cleanups=[], worker=None, prefill_worker=None
+        ctx,
+        request_id=request_id,
+        engine_id=engine_id,
+        log_extra={},
+        cleanups=[],
+        worker=None,
+        prefill_worker=None,
     )
 
 

@@ -31,7 +31,7 @@ def build_generate_request(
         # Fewer, larger engine messages: each gRPC message costs a Python client far more than a token.
         sampling = replace(sampling, stream_interval=stream_interval)
     return GenerateRequest(
-        request_id=ctx.request_id,
+        request_id=ctx.engine_id,
         input_ids=prepared.input_ids if input_ids is None else input_ids,
         sampling=sampling,
         stream=stream,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..engines.base import SamplingOptions
+from ..principal import ANONYMOUS, Principal
 from ..settings import Settings
 from .stream_interval import StreamIntervalTuner
 
@@ -55,15 +56,31 @@ def new_request_id() -> str:
     return os.urandom(12).hex()
 
 
+#: Joins a client-visible request id and the gateway's random part in an engine request id; client ids
+#: never contain it (api/request_id.py), so the client part reads back unambiguously in engine logs.
+ENGINE_ID_SEPARATOR = "~"
+
+
+def engine_request_id(request_id: str) -> str:
+    """An engine request id for the request `request_id`: that id (engine logs still correlate with the
+    client's) plus 64 random bits, so no client can name, or abort, another client's engine request."""
+    return f"{request_id}{ENGINE_ID_SEPARATOR}{os.urandom(8).hex()}"
+
+
 def _no_wire(exc: BaseException) -> bytes:
     raise RuntimeError("this request context has no wire to frame an error for") from exc
 
 
 @dataclass(slots=True, eq=False)
 class RequestContext:
+    #: The id the client sees (`x-request-id`, log lines, completion ids): the client's own when it sent
+    #: a well-formed one (api/request_id.py), else a fresh one. Never sent to an engine.
     request_id: str
     route: str
-    owner: str = ""
+    principal: Principal = ANONYMOUS
+    #: The id of this request at the engines (generate, abort): `engine_request_id(request_id)`, made
+    #: by the gateway, so one client can never name, and abort, another client's engine request.
+    engine_id: str = ""
     routing_key: str | None = None
     #: The request's `prompt_cache_key`: the routing key of `cache_aware` and `consistent_hash` when given.
     prompt_cache_key: str | None = None
@@ -93,6 +110,15 @@ class RequestContext:
     #: The terminal event of this request's stream when it fails after the first byte, in its wire's
     #: shape; set by the route (api/wire_errors.py), the stages never build error bodies.
     error_frame: Callable[[BaseException], bytes] = field(default=_no_wire)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            self.engine_id = engine_request_id(self.request_id)
+
+    @property
+    def owner(self) -> str:
+        """The tenant that owns what this request stores and finds (`Principal.tenant`)."""
+        return self.principal.tenant
 
 
 @dataclass(slots=True, eq=False)
@@ -135,7 +161,7 @@ def detached_context(ctx: RequestContext) -> RequestContext:
     return RequestContext(
         request_id=ctx.request_id,
         route=ctx.route,
-        owner=ctx.owner,
+        principal=ctx.principal,
         routing_key=ctx.routing_key,
         model=ctx.model,
         log_extra=dict(ctx.log_extra),

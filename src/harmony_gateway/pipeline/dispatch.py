@@ -203,4 +203,4 @@ async def dispatch(
                         )
             if not finished:
                 for w in workers:
-                    await _abort(w, ctx.request_id, timeouts.abort)
+                    await _abort(w, ctx.engine_id, timeouts.abort)

@@ -18,7 +18,7 @@ def routing_request(prepared: PreparedRequest, ctx: RequestContext) -> RoutingRe
         input_ids=prepared.input_ids,
         selection_text=prepared.selection_text,
         routing_key=ctx.routing_key,
-        request_id=ctx.request_id,
+        request_id=ctx.engine_id,
         cache_key=ctx.prompt_cache_key,
     )
 

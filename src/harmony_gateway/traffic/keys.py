@@ -4,12 +4,17 @@
     sk-team-a
     sk-batch   rate_limit=10 token_rate_limit=20000 priority=-1
     sk-interactive priority=10
+    sk-ops-1   tenant=ops
+    sk-ops-2   tenant=ops
 
 `priority` is an integer: waiting requests of higher-priority keys are admitted first (default 0).
+`tenant` names what the key's stored objects belong to: keys of one tenant see each other's responses,
+conversations and restorable reasoning (principal.py); without it a key is a tenant of its own.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +24,12 @@ class KeyPolicy:
     rate_limit: int | None = None
     token_rate_limit: int | None = None
     priority: int | None = None
+    tenant: str | None = None
 
 
-_FIELDS = {"rate_limit", "token_rate_limit", "priority"}
+_INT_FIELDS = {"rate_limit", "token_rate_limit", "priority"}
+_FIELDS = _INT_FIELDS | {"tenant"}
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 def parse_key_line(line: str, where: str = "") -> tuple[str, KeyPolicy] | None:
@@ -31,18 +39,24 @@ def parse_key_line(line: str, where: str = "") -> tuple[str, KeyPolicy] | None:
         return None
     key, *options = line.split()
     values: dict[str, int] = {}
+    tenant: str | None = None
     for option in options:
         name, sep, raw = option.partition("=")
         name = name.replace("-", "_")
         if not sep or name not in _FIELDS:
             raise ValueError(f"{where}unknown key option {option!r}; expected {', '.join(sorted(_FIELDS))}")
+        if name == "tenant":
+            if not _TENANT_NAME.fullmatch(raw):
+                raise ValueError(f"{where}tenant expects 1 to 64 letters, digits or _.:-, got {raw!r}")
+            tenant = raw
+            continue
         try:
             values[name] = int(raw)
         except ValueError:
             raise ValueError(f"{where}{name} expects an integer, got {raw!r}") from None
         if name != "priority" and values[name] < 1:
             raise ValueError(f"{where}{name} must be 1 or more")
-    return key, KeyPolicy(**values)
+    return key, KeyPolicy(**values, tenant=tenant)
 
 
 def read_key_file(path: str) -> dict[str, KeyPolicy]:

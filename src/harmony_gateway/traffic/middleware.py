@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import hashlib
 import logging
 import re
 import time
@@ -35,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..api.wire_errors import error_body, terminal_frame
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
+from ..principal import authenticate, presented_key
 from ..settings import Settings
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
@@ -227,18 +227,17 @@ class TrafficControl:
         ) or self.settings.token_rate_limit
 
     def identify(self, scope: Scope, headers: Headers) -> tuple[str | None, KeyPolicy | None]:
-        """The budget's owner: a hash of the API key, or the client address when the gateway has no
-        keys; None for an unknown key (the route answers 401)."""
-        keys = self.settings.api_keys
-        if not keys:
+        """The budget's owner: the API key's id, or the client address when the gateway has no keys;
+        None for an unknown key (the route answers 401). The principal found is kept on the request
+        (`state.principal`), so the route does not authenticate twice."""
+        principal = authenticate(self.settings, headers)
+        if principal is None:
+            return None, None
+        scope.setdefault("state", {})["principal"] = principal
+        if not principal.key_id:
             client = scope.get("client")
             return f"addr:{client[0] if client else 'unknown'}", None
-        header = headers.get("authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        if not token or token not in keys:
-            return None, None
-        digest = hashlib.sha256(token.encode()).hexdigest()[:24]
-        return f"key:{digest}", self.settings.key_policies.get(token)
+        return f"key:{principal.key_id}", self.settings.key_policies.get(presented_key(headers))
 
     def priority(self, policy: KeyPolicy | None) -> int:
         return policy.priority if policy is not None and policy.priority is not None else 0
@@ -356,7 +355,7 @@ class TrafficMiddleware:
         self, scope: Scope, receive: Receive, send: Send, path: str, headers: Headers, status: list[int]
     ) -> None:
         control = self.control
-        request_id = scope.get("state", {}).get("request_id") or headers.get("x-request-id") or ""
+        request_id = scope.get("state", {}).get("request_id") or ""
         if path in _PROBES:
             if path == "/readiness" and control.draining:
                 status[0] = 503
