@@ -20,6 +20,7 @@ from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
 from ..types.chat import ChatCompletionRequest
+from .admin import ADMIN_TENANT
 from .coalesce import coalesce
 from .error_responses import param_from_loc
 from .wire_errors import openai_error_frame
@@ -37,14 +38,18 @@ def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-def owner_of(state: GatewayState, request: Request) -> str:
-    """The API key's owner id ("" when the gateway is open); 401 when keys are configured and missing."""
+def owner_of(state: GatewayState, request: Request, *, admin: bool = False) -> str:
+    """The API key's owner id ("" when the gateway is open); 401 when keys are configured and missing.
+    `admin`: the request holds the admin credential (api/admin.py), which stands in for a tenant key as
+    `ADMIN_TENANT`."""
     keys = state.settings.api_keys
     if not keys:
         return ""
     header = request.headers.get("authorization", "")
     token = header[7:].strip() if header[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
     if not token or token not in keys:
+        if admin:
+            return ADMIN_TENANT
         raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
     return hashlib.sha256(token.encode()).hexdigest()[:24]
 
@@ -55,12 +60,13 @@ def new_context(
     state: GatewayState,
     *,
     error_frame: Callable[[BaseException], bytes] = openai_error_frame,
+    admin: bool = False,
 ) -> RequestContext:
     request_id = (
         getattr(request.state, "request_id", None) or request.headers.get("x-request-id") or new_request_id()
     )
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
-    owner = owner_of(state, request)
+    owner = owner_of(state, request, admin=admin)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
     ctx = RequestContext(
         request_id=request_id,
