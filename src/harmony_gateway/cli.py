@@ -938,9 +938,11 @@ def format_render(result: dict[str, Any]) -> str:
         lines.append(f"constraint ({result['constraint']['type']}): {result['constraint']['value']}")
     routing = result.get("routing") or {}
     worker = routing.get("worker")
+    choice = ""
+    if "worker" in routing:  # only an admin's answer names the worker
+        choice = " would pick " + (f"{worker['id']} ({worker['url']})" if worker else "no worker")
     lines.append(
-        f"routing: {routing.get('policy')} would pick "
-        + (f"{worker['id']} ({worker['url']})" if worker else "no worker")
+        f"routing: {routing.get('policy')}{choice}"
         + (
             f", cached prefix {routing['cache_match_tokens']} tokens"
             if routing.get("cache_match_tokens")

@@ -33,6 +33,10 @@ class Principal:
 
 
 ANONYMOUS = Principal(key_id="", tenant="")
+#: An admin credential on a tenant-plane route that shows fleet details (the prompt inspector): its
+#: tenant is no key id (hex), no named tenant (`TENANT_PREFIX`) and not the open gateway's "", so it finds
+#: no tenant's stored data and shares no tenant's routing namespace.
+ADMIN = Principal(key_id="", tenant="@admin", admin=True)
 
 
 def key_id(key: str) -> str:

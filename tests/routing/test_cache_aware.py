@@ -8,6 +8,7 @@ import pytest
 
 from harmony_gateway.routing import CacheAwarePolicy, RoutingRequest, create_policy
 from harmony_gateway.routing.cache_aware import PrefixTree, _Node, pack_token_ids
+from harmony_gateway.routing.policy import tenant_key
 
 from ._fakes import make_worker, make_workers
 
@@ -25,12 +26,12 @@ def req(input_ids: list[int], text: str = "") -> RoutingRequest:
 def held_sizes(tree: PrefixTree) -> Counter[str]:
     """Recount every worker's cached symbols by walking the tree, checking the ancestor invariant."""
     sizes: Counter[str] = Counter()
-    stack: list[_Node] = [tree.root]
+    stack: list[_Node] = list(tree.roots.values())
     while stack:
         node = stack.pop()
         for child in node.children.values():
             assert child.workers, "empty nodes are deleted"
-            if node is not tree.root:
+            if node.parent is not None:
                 assert child.workers.keys() <= node.workers.keys()
             for w in child.workers:
                 sizes[w] += len(child.label) // tree.unit
@@ -119,22 +120,22 @@ def test_eviction_keeps_each_worker_bounded() -> None:
 def test_eviction_drops_least_recently_used_first() -> None:
     tree = PrefixTree()
     for text in ("aaaa", "bbbb", "cccc"):
-        tree.insert(text, "w")
-    tree.insert("aaaa", "w")  # touch: "bbbb" is now the oldest
+        tree.insert("", text, "w")
+    tree.insert("", "aaaa", "w")  # touch: "bbbb" is now the oldest
     tree.evict("w", 8)
-    assert tree.match("bbbb", {"w"}) == (0, [])
-    assert tree.match("aaaa", {"w"}) == (4, ["w"])
-    assert tree.match("cccc", {"w"}) == (4, ["w"])
+    assert tree.match("", "bbbb", {"w"}) == (0, [])
+    assert tree.match("", "aaaa", {"w"}) == (4, ["w"])
+    assert tree.match("", "cccc", {"w"}) == (4, ["w"])
     assert tree.size("w") == 8
 
 
 def test_eviction_trims_leaves_before_shared_prefixes() -> None:
     tree = PrefixTree()
-    tree.insert("prefix-one", "w")
-    tree.insert("prefix-two", "w")
+    tree.insert("", "prefix-one", "w")
+    tree.insert("", "prefix-two", "w")
     tree.evict("w", 7)
     assert tree.size("w") == 7
-    assert tree.match("prefix-two", {"w"}) == (7, ["w"])
+    assert tree.match("", "prefix-two", {"w"}) == (7, ["w"])
 
 
 def test_prompt_longer_than_the_bound_is_recorded_truncated() -> None:
@@ -187,12 +188,12 @@ def test_unavailable_holder_is_not_matched() -> None:
 
 def test_tree_splits_edges_and_matches_partially() -> None:
     tree = PrefixTree()
-    tree.insert("hello world", "a")
-    tree.insert("hello there", "b")
-    assert tree.match("hello world!", {"a", "b"}) == (11, ["a"])
-    assert tree.match("hello wonder", {"a", "b"}) == (8, ["a"])
-    assert sorted(tree.match("hello", {"a", "b"})[1]) == ["a", "b"]
-    assert tree.match("hello world", {"b"}) == (6, ["b"])
+    tree.insert("", "hello world", "a")
+    tree.insert("", "hello there", "b")
+    assert tree.match("", "hello world!", {"a", "b"}) == (11, ["a"])
+    assert tree.match("", "hello wonder", {"a", "b"}) == (8, ["a"])
+    assert sorted(tree.match("", "hello", {"a", "b"})[1]) == ["a", "b"]
+    assert tree.match("", "hello world", {"b"}) == (6, ["b"])
     assert (tree.size("a"), tree.size("b")) == (11, 11)
     assert held_sizes(tree) == {"a": 11, "b": 11}
 
@@ -203,9 +204,9 @@ def test_token_keys_split_on_token_boundaries() -> None:
     a = [7, 0x0100, 9]
     b = [7, 0x0101, 9]
     tree = policy._tree
-    tree.insert(pack_token_ids(a), "x")
-    assert tree.match(pack_token_ids(b), {"x"}) == (1, ["x"])
-    assert tree.match(pack_token_ids(a[:2] + [5]), {"x"}) == (2, ["x"])
+    tree.insert("", pack_token_ids(a), "x")
+    assert tree.match("", pack_token_ids(b), {"x"}) == (1, ["x"])
+    assert tree.match("", pack_token_ids(a[:2] + [5]), {"x"}) == (2, ["x"])
 
 
 def test_invalid_options_are_rejected() -> None:
@@ -253,4 +254,4 @@ def test_prompt_cache_keys_are_bounded() -> None:
     workers = make_workers(2)
     for i in range(10):
         policy.select(workers, RoutingRequest("m", ids(5), cache_key=f"k{i}"))
-    assert list(policy._keys) == ["k7", "k8", "k9"]
+    assert list(policy._keys) == [tenant_key("", k) for k in ("k7", "k8", "k9")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from unittest import mock
 
@@ -117,3 +118,19 @@ def test_peek_names_the_next_selection_and_changes_nothing(name: str) -> None:
 
 def _seeded(name: str) -> bool:
     return name in ("random", "power_of_two", "consistent_hash")
+
+
+def test_a_tenants_cache_match_ignores_other_tenants(name: str) -> None:
+    """What the inspector shows tenant B (`match_length`) for tenant A's very prompts is what it would be
+    had A sent nothing: no policy lets one tenant's lookup match another's entries."""
+    shared, alone = create_policy(name), create_policy(name)
+    workers = make_workers(4)
+    a_requests = [dataclasses.replace(r, tenant="a") for r in requests(60)]
+    b_requests = [dataclasses.replace(r, tenant="b") for r in requests(120)[60:]]
+    for request in a_requests + b_requests:
+        shared.select(workers, request)
+    for request in b_requests:
+        alone.select(workers, request)
+    for probe in a_requests + b_requests:
+        as_b = dataclasses.replace(probe, tenant="b")
+        assert shared.match_length(workers, as_b) == alone.match_length(workers, as_b)

@@ -10,6 +10,8 @@
 | admin listener, `--admin-key` set    | as on the main port with keys: the key is required there too               |
 
 A tenant key never opens an admin route, and an admin key is not a tenant key: the two planes stay apart.
+Where the tenant plane shows fleet details (the prompt inspector's worker list), it asks `is_admin`; an
+admin credential opens such a route as the `ADMIN` principal, which owns no tenant's data.
 """
 
 from __future__ import annotations
@@ -87,6 +89,15 @@ def require_admin(settings: Settings, request: Request) -> None:
     if token in settings.api_keys or not settings.api_keys:
         raise PermissionDenied("this key may not use the admin API; it needs an --admin-key key")
     raise AuthenticationFailed("Incorrect admin key: send 'Authorization: Bearer <admin key>'")
+
+
+def is_admin(settings: Settings, request: Request) -> bool:
+    """Whether the request holds the admin credential: `require_admin` would let it through."""
+    try:
+        require_admin(settings, request)
+    except (AuthenticationFailed, PermissionDenied):
+        return False
+    return True
 
 
 class _AdminServer(uvicorn.Server):

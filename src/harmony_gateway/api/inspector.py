@@ -4,7 +4,8 @@ folder: plain HTML, CSS and JavaScript, no CDN and no build step, so it works of
 
 The inspector routes authenticate and read their bodies like every generating route (`new_context`,
 `json_body`), and run the prepare stage as the owner of the key, so a stored response of another key is
-a 404 here too.
+a 404 here too. A render shows the worker fleet only to a request holding the admin credential
+(`is_admin`, the one `/workers` asks for), which may also render without a tenant key, as no tenant.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..errors import NotFound
 from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState
 from ..pipeline.inspect import parse_output, render_request
+from .admin import is_admin
 from .routes import gateway, json_body, json_response, new_context, run_logged
 
 router = APIRouter()
@@ -61,9 +63,11 @@ async def playground_file(name: str) -> Response:
 @router.post("/v1/harmony/render")
 async def harmony_render(request: Request) -> Response:
     state = gateway(request)
-    ctx = new_context(request, "harmony_render", state)
+    admin = is_admin(state.settings, request)
+    ctx = new_context(request, "harmony_render", state, admin=admin)
     body = await json_body(request)
-    result = await run_logged(ctx, render_request(state, body.get("api"), body.get("request"), ctx))
+    rendering = render_request(state, body.get("api"), body.get("request"), ctx, fleet=admin)
+    result = await run_logged(ctx, rendering)
     finish_request(ctx)
     return json_response(result, ctx)
 

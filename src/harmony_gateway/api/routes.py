@@ -18,7 +18,7 @@ from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
-from ..principal import Principal, authenticate
+from ..principal import ADMIN, Principal, authenticate
 from ..types.chat import ChatCompletionRequest
 from .coalesce import coalesce
 from .error_responses import param_from_loc
@@ -37,15 +37,18 @@ def gateway(request: Request) -> GatewayState:
     return request.app.state.gateway  # type: ignore[no-any-return]
 
 
-def principal_of(state: GatewayState, request: Request) -> Principal:
+def principal_of(state: GatewayState, request: Request, *, admin: bool = False) -> Principal:
     """The request's tenant principal (`ANONYMOUS` when the gateway is open); 401 when keys are
     configured and the request's key is missing or unknown. Traffic control authenticated it already on
-    the routes it sees; the principal it found is reused."""
+    the routes it sees; the principal it found is reused. `admin`: the request holds the admin
+    credential (api/admin.py), which stands in for a missing tenant key as the `ADMIN` principal."""
     principal = request.scope.get("state", {}).get("principal")
     if principal is None:
         principal = authenticate(state.settings, request.headers)
         if principal is None:
-            raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+            if not admin:
+                raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+            principal = ADMIN
         request.state.principal = principal
     return principal  # type: ignore[no-any-return]
 
@@ -61,10 +64,11 @@ def new_context(
     state: GatewayState,
     *,
     error_frame: Callable[[BaseException], bytes] = openai_error_frame,
+    admin: bool = False,
 ) -> RequestContext:
     request_id = getattr(request.state, "request_id", None) or new_request_id()
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
-    principal = principal_of(state, request)
+    principal = principal_of(state, request, admin=admin)
     routing_key = request.headers.get("x-session-id") or request.headers.get("x-user-id")
     ctx = RequestContext(
         request_id=request_id,

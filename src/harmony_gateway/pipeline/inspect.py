@@ -6,6 +6,14 @@ output parses into.
 worker it would pick (`peek`, which moves no counter or cache), so the inspector cannot disagree with the
 real path. This module is the only place that knows where those functions live.
 
+What `routing` shows depends on who asks. A tenant sees only what its own request decides: the model
+group, each pool's policy, its routing key and `cache_match_tokens`, the prefix of its prompt that the
+policy records in the tenant's own namespace (routing/cache_aware.py), so it tells the tenant about its
+own earlier requests and nothing about anybody else's. Which worker the policy would pick, the workers'
+URLs, availability and in-flight counts depend on every tenant's traffic and are the admin plane's
+(`GET /workers`): they are added (`worker`, and `worker` and `workers` per pool) only with `fleet=True`,
+which the route sets for a request holding the admin credential.
+
 `parse_output` feeds model output to the gateway's own parsers: token ids to `HarmonyOutputParser`, text
 with Harmony markers spelled out to the same parser after encoding them, text without markers (an HTTP
 upstream that stripped them) to `HarmonyTextParser`.
@@ -46,8 +54,11 @@ _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
 # -- render --------------------------------------------------------------------------------------------
-async def render_request(state: GatewayState, api: Any, request: Any, ctx: RequestContext) -> dict[str, Any]:
-    """The prompt, sampling and routing the engine would get for `request` on surface `api`."""
+async def render_request(
+    state: GatewayState, api: Any, request: Any, ctx: RequestContext, *, fleet: bool = False
+) -> dict[str, Any]:
+    """The prompt, sampling and routing the engine would get for `request` on surface `api`; `fleet`
+    adds the worker choice and the pools' workers (admins only, see the module docstring)."""
     if api not in APIS:
         raise InvalidRequest(f"api must be one of {', '.join(APIS)}", param="api")
     if not isinstance(request, dict):
@@ -66,7 +77,7 @@ async def render_request(state: GatewayState, api: Any, request: Any, ctx: Reque
     else:
         prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
     ctx.model = prepared.group.name
-    return describe(state, prepared, ctx, api, notes)
+    return describe(state, prepared, ctx, api, notes, fleet=fleet)
 
 
 async def _prepare_responses(
@@ -91,7 +102,13 @@ async def _prepare_responses(
 
 
 def describe(
-    state: GatewayState, prepared: PreparedRequest, ctx: RequestContext, api: str, notes: list[str]
+    state: GatewayState,
+    prepared: PreparedRequest,
+    ctx: RequestContext,
+    api: str,
+    notes: list[str],
+    *,
+    fleet: bool = False,
 ) -> dict[str, Any]:
     ids = list(prepared.input_ids)
     sampling = dataclasses.asdict(prepared.sampling)
@@ -113,7 +130,7 @@ def describe(
             "reasoning_effort": prepared.effort,
         },
         "constraint": _constraint(prepared),
-        "routing": routing_of(prepared, ctx),
+        "routing": routing_of(prepared, ctx, fleet=fleet),
         "notes": notes,
     }
     if prepared.harmony:
@@ -144,9 +161,10 @@ def _constraint(prepared: PreparedRequest) -> dict[str, Any] | None:
     return None
 
 
-def routing_of(prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]:
-    """The group, the worker each pool's policy would pick now and, for cache_aware, the prefix it
-    records for the workers; `worker` is None when none is available (the real request would be a 503)."""
+def routing_of(prepared: PreparedRequest, ctx: RequestContext, *, fleet: bool = False) -> dict[str, Any]:
+    """The group, each pool's policy and, for cache_aware, the prefix it records for the request's
+    tenant. With `fleet`, also the worker each pool's policy would pick now (None when none is
+    available: the real request would be a 503) and the pools' workers."""
     group = prepared.group
     request = routing_request(prepared, ctx)
     pools: list[tuple[str, Any, list[Any]]] = (
@@ -160,15 +178,19 @@ def routing_of(prepared: PreparedRequest, ctx: RequestContext) -> dict[str, Any]
         "disaggregated": group.disaggregated,
     }
     for role, policy, pool in pools:
-        out[role] = _peek(policy, pool, request)
+        out[role] = {"policy": policy.name, "cache_match_tokens": policy.match_length(pool, request)}
+        if fleet:
+            out[role] |= _fleet(policy, pool, request)
     main = out["decode" if group.disaggregated else "regular"]
     out["policy"] = main["policy"]
-    out["worker"] = main["worker"]
     out["cache_match_tokens"] = main["cache_match_tokens"]
+    if fleet:
+        out["worker"] = main["worker"]
     return out
 
 
-def _peek(policy: RoutingPolicy, pool: list[Any], request: RoutingRequest) -> dict[str, Any]:
+def _fleet(policy: RoutingPolicy, pool: list[Any], request: RoutingRequest) -> dict[str, Any]:
+    """The admin's part of a pool's routing: the worker `peek` picks and every worker's state."""
     worker = None
     try:
         chosen = policy.peek(pool, request)
@@ -176,9 +198,7 @@ def _peek(policy: RoutingPolicy, pool: list[Any], request: RoutingRequest) -> di
     except NoHealthyWorker:
         worker = None
     return {
-        "policy": policy.name,
         "worker": worker,
-        "cache_match_tokens": policy.match_length(pool, request),
         "workers": [
             {"id": w.id, "url": w.public_url, "available": w.available(), "in_flight": w.in_flight}
             for w in pool
@@ -440,7 +460,8 @@ async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
     try:
         async with open_mcp_pool(settings) as state.mcp:
             ctx = RequestContext(request_id="render", route="harmony_render")
-            result = await render_request(state, payload.get("api"), request, ctx)
+            # The operator at a terminal is the admin; offline there are no workers to show anyway.
+            result = await render_request(state, payload.get("api"), request, ctx, fleet=True)
     finally:
         await state.store.close()
     result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")

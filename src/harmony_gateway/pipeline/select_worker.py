@@ -20,6 +20,7 @@ def routing_request(prepared: PreparedRequest, ctx: RequestContext) -> RoutingRe
         routing_key=ctx.routing_key,
         request_id=ctx.engine_id,
         cache_key=ctx.prompt_cache_key,
+        tenant=ctx.owner,
     )
 
 

@@ -4,6 +4,12 @@ The gateway cannot see the engines' caches, so it keeps an approximate one: a ra
 prompt it routed, each node recording which workers were sent that prefix and when. This follows the
 SGLang router's cache-aware policy: balance first when load is skewed, otherwise follow the longest
 cached prefix when it covers enough of the prompt, otherwise spread by cache size.
+
+The tree has one root per tenant (`RoutingRequest.tenant`) and every lookup starts at the caller's own
+root, as does the `prompt_cache_key` map: a tenant's prompts and keys are matched only against its own,
+so how much of a prompt is "cached" can never tell one tenant what another sent. The price is affinity
+between tenants: two tenants sending the same system prompt are placed as strangers, and an engine may
+hold that prefix twice. Worker sizes and eviction stay global, as the engines' KV caches are.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from typing import Literal
 
-from .policy import RoutingPolicy, RoutingRequest, available_workers
+from .policy import RoutingPolicy, RoutingRequest, available_workers, tenant_key
 from .workers import Worker
 
 #: Keys are byte strings of packed token ids (`unit` bytes per id) or text (one character per unit).
@@ -72,7 +78,11 @@ class _Node:
 
 
 class PrefixTree:
-    """One approximate radix tree shared by all workers, with per-worker sizes and LRU eviction.
+    """One approximate radix tree per namespace, shared by all workers, with per-worker sizes and LRU
+    eviction across namespaces.
+
+    Every lookup and insert names its namespace and walks only that namespace's tree: no key of one
+    namespace can match a node of another, whatever the two keys hold.
 
     Edges are compressed: a node's `label` is a run of symbols (`unit` elements of the key each). A
     worker listed on a node is listed on all its ancestors, so the deepest node on a prompt's path that
@@ -86,7 +96,8 @@ class PrefixTree:
 
     def __init__(self, unit: int = 1) -> None:
         self.unit = unit
-        self.root = _Node(label="", parent=None, workers={})
+        #: Namespace -> the root of its tree (a root has no parent); roots with no children are pruned.
+        self.roots: dict[str, _Node] = {}
         self._sizes: dict[str, int] = {}
         self._clock = 0
 
@@ -94,17 +105,20 @@ class PrefixTree:
         """Symbols (tokens or characters) cached for the worker."""
         return self._sizes.get(worker_id, 0)
 
-    def match(self, key: Key, worker_ids: Container[str]) -> tuple[int, list[str]]:
-        """The longest prefix of `key` held by any of `worker_ids`: (length in symbols, holders).
+    def match(self, namespace: str, key: Key, worker_ids: Container[str]) -> tuple[int, list[str]]:
+        """The longest prefix of `key` recorded in `namespace` for any of `worker_ids`: (length in
+        symbols, holders).
 
-        Holders are all listed workers that hold exactly that longest prefix; ([], 0) when none holds
+        Holders are all listed workers that hold exactly that longest prefix; (0, []) when none holds
         even the first symbol. Does not touch access times.
         """
         unit = self.unit
-        node = self.root
-        i = 0
         matched = 0
         holders: list[str] = []
+        node = self.roots.get(namespace)
+        if node is None:
+            return 0, holders
+        i = 0
         while i < len(key):
             child = node.children.get(key[i : i + unit])
             if child is None:
@@ -121,12 +135,15 @@ class PrefixTree:
             node = child
         return matched // unit, holders
 
-    def insert(self, key: Key, worker_id: str) -> None:
-        """Record that `worker_id` was sent `key`, stamping every node on its path as just used."""
+    def insert(self, namespace: str, key: Key, worker_id: str) -> None:
+        """Record that `worker_id` was sent `key` in `namespace`, stamping every node on its path as just
+        used."""
         unit = self.unit
         self._clock += 1
         now = self._clock
-        node = self.root
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = _Node(label="", parent=None, workers={})
         i = 0
         added = 0
         while i < len(key):
@@ -153,7 +170,8 @@ class PrefixTree:
         self._sizes[worker_id] = self._sizes.get(worker_id, 0) + added // unit
 
     def evict(self, worker_id: str, target: int) -> None:
-        """Drop the worker's least recently used leaves until it holds at most `target` symbols.
+        """Drop the worker's least recently used leaves, in any namespace, until it holds at most
+        `target` symbols.
 
         Nodes no worker holds any more are deleted; a parent whose last child for this worker went
         becomes a leaf candidate itself.
@@ -165,7 +183,7 @@ class PrefixTree:
         # Children of each node that the worker holds, so a parent is known to become a leaf in O(1)
         # when its last such child goes (a shared prefix node may have thousands of children).
         held_children: dict[_Node, int] = {}
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             held = 0
@@ -174,7 +192,7 @@ class PrefixTree:
                     held += 1
                     stack.append(child)
             held_children[node] = held
-            if not held and node is not self.root:
+            if not held and node.parent is not None:
                 heap.append((node.workers[worker_id], next(tie), node))
         heapq.heapify(heap)
         size = self._sizes[worker_id]
@@ -182,16 +200,17 @@ class PrefixTree:
             _, _, node = heapq.heappop(heap)
             size -= self._drop(node, worker_id)
             parent = node.parent
-            if parent is None or parent is self.root:
-                continue
+            if parent is None or parent.parent is None:
+                continue  # a root is never evicted, only pruned once empty
             held_children[parent] -= 1
             if not held_children[parent]:
                 heapq.heappush(heap, (parent.workers[worker_id], next(tie), parent))
         self._sizes[worker_id] = size
+        self._prune_roots()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget everything cached for the worker, deleting nodes that no other worker holds."""
-        stack = [self.root]
+        stack = list(self.roots.values())
         held: list[_Node] = []
         while stack:
             node = stack.pop()
@@ -203,11 +222,12 @@ class PrefixTree:
         for node in reversed(held):
             self._drop(node, worker_id)
         self._sizes.pop(worker_id, None)
+        self._prune_roots()
 
     def node_count(self) -> int:
-        """Nodes below the root."""
+        """Nodes below the roots."""
         count = 0
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             node = stack.pop()
             count += len(node.children)
@@ -221,6 +241,10 @@ class PrefixTree:
             # No worker left means no child is held either, so the whole node goes.
             del node.parent.children[node.label[: self.unit]]
         return len(node.label) // self.unit
+
+    def _prune_roots(self) -> None:
+        """Forget namespaces whose every entry was dropped, so roots are bounded by live namespaces."""
+        self.roots = {namespace: root for namespace, root in self.roots.items() if root.children}
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -237,11 +261,14 @@ class CacheAwarePolicy(RoutingPolicy):
     3. Otherwise the worker with the fewest cached tokens wins (then fewest in flight), spreading
        new prefixes.
 
+    Prefixes and keys are looked up and recorded in the request's tenant namespace only
+    (`RoutingRequest.tenant`): "the longest prefix" is the longest among that tenant's own prompts.
+
     A request with a `prompt_cache_key` (`RoutingRequest.cache_key`) goes, unless load is imbalanced
-    (rule 1), to the worker that key was last sent to while it is available: the client promised that
-    requests sharing the key share their prefix, which holds even when the prefix is below the threshold
-    (a new agent session whose first turns are mostly the shared system prompt). The key map is bounded
-    (`max_cache_keys`, least recently used first).
+    (rule 1), to the worker the same tenant last sent that key to while it is available: the client
+    promised that requests sharing the key share their prefix, which holds even when the prefix is below
+    the threshold (a new agent session whose first turns are mostly the shared system prompt). The key
+    map is bounded (`max_cache_keys`, least recently used first).
 
     The prompt is then recorded under the chosen worker. `cache_key="tokens"` keys the tree on the
     prompt's token ids; `"selection-text"` on the characters of the last user message, for when ids
@@ -276,7 +303,8 @@ class CacheAwarePolicy(RoutingPolicy):
         self.max_tree_size = max_tree_size
         self.cache_key: CacheKey = cache_key
         self._tree = PrefixTree(unit=_ID_BYTES if cache_key == "tokens" else 1)
-        #: prompt_cache_key -> id of the worker it was last sent to (least recently used first).
+        #: `tenant_key(tenant, prompt_cache_key)` -> id of the worker it was last sent to (least recently
+        #: used first).
         self._keys: OrderedDict[str, str] = OrderedDict()
         self.max_cache_keys = max_cache_keys
 
@@ -287,32 +315,35 @@ class CacheAwarePolicy(RoutingPolicy):
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         candidates = available_workers(workers, request)
         key = self._key(request)
-        chosen = self._by_cache_key(candidates, request.cache_key) or self._choose(candidates, key)
+        chosen = self._by_cache_key(candidates, request) or self._choose(candidates, request.tenant, key)
         if key:
-            self._record(key, chosen.id)
+            self._record(request.tenant, key, chosen.id)
         if request.cache_key:
-            self._keys[request.cache_key] = chosen.id
-            self._keys.move_to_end(request.cache_key)
+            scoped = tenant_key(request.tenant, request.cache_key)
+            self._keys[scoped] = chosen.id
+            self._keys.move_to_end(scoped)
             if len(self._keys) > self.max_cache_keys:
                 self._keys.popitem(last=False)
         return chosen
 
     def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         candidates = available_workers(workers, request)
-        return self._by_cache_key(candidates, request.cache_key) or self._choose(
-            candidates, self._key(request)
+        return self._by_cache_key(candidates, request) or self._choose(
+            candidates, request.tenant, self._key(request)
         )
 
     def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int | None:
-        """The longest prefix of the request's key any of `workers` is recorded to hold, in tokens
-        (characters with `cache_key="selection-text"`); reads the tree without touching it."""
+        """The longest prefix of the request's key any of `workers` is recorded to hold for the
+        request's tenant, in tokens (characters with `cache_key="selection-text"`); reads the tree
+        without touching it."""
         key = self._key(request)
         if not key:
             return 0
-        return self._tree.match(key, {w.id for w in workers})[0]
+        return self._tree.match(request.tenant, key, {w.id for w in workers})[0]
 
-    def _by_cache_key(self, candidates: list[Worker], cache_key: str | None) -> Worker | None:
-        worker_id = self._keys.get(cache_key) if cache_key else None
+    def _by_cache_key(self, candidates: list[Worker], request: RoutingRequest) -> Worker | None:
+        cache_key = request.cache_key
+        worker_id = self._keys.get(tenant_key(request.tenant, cache_key)) if cache_key else None
         if worker_id is None:
             return None
         worker = next((w for w in candidates if w.id == worker_id), None)
@@ -332,7 +363,7 @@ class CacheAwarePolicy(RoutingPolicy):
             return request.selection_text
         return pack_token_ids(request.input_ids)
 
-    def _choose(self, candidates: list[Worker], key: Key) -> Worker:
+    def _choose(self, candidates: list[Worker], tenant: str, key: Key) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
         least = min(candidates, key=lambda w: w.in_flight)
@@ -344,14 +375,14 @@ class CacheAwarePolicy(RoutingPolicy):
             return least
         if key:
             by_id = {w.id: w for w in candidates}
-            matched, holders = self._tree.match(key, by_id)
+            matched, holders = self._tree.match(tenant, key, by_id)
             if holders and matched >= self.cache_threshold * (len(key) // self._tree.unit):
                 return min((by_id[h] for h in holders), key=lambda w: w.in_flight)
         return min(candidates, key=lambda w: (self._tree.size(w.id), w.in_flight))
 
-    def _record(self, key: Key, worker_id: str) -> None:
+    def _record(self, tenant: str, key: Key, worker_id: str) -> None:
         unit = self._tree.unit
         key = key[: self.max_tree_size * unit]
-        self._tree.insert(key, worker_id)
+        self._tree.insert(tenant, key, worker_id)
         if self._tree.size(worker_id) > self.max_tree_size:
             self._tree.evict(worker_id, int(self.max_tree_size * _EVICT_TO))

@@ -1,10 +1,13 @@
 """Consistent hashing: requests with the same routing key stick to one worker.
 
 Keys come from `RoutingRequest.cache_key` (the client's `prompt_cache_key`) when given, else
-`RoutingRequest.routing_key` (session header, `user`, a Responses chain's root or conversation id). The ring is built over worker URLs with virtual nodes: unlike the process-local worker
-ids, a URL names the same engine in every gateway process and after a restart, so all of them map a key
-to the same worker (and its KV cache). Adding or removing one of N workers moves only about 1/N of the keys, and a worker that
-becomes unavailable hands its keys to the next worker clockwise while every other key stays put.
+`RoutingRequest.routing_key` (session header, `user`, a Responses chain's root or conversation id),
+hashed inside the request's tenant namespace: a tenant that sends another's key lands where any other
+key of its own would, not on the other tenant's worker. The ring is built over worker URLs with virtual
+nodes: unlike the process-local worker ids, a URL names the same engine in every gateway process and
+after a restart, so all of them map a key to the same worker (and its KV cache). Adding or removing one
+of N workers moves only about 1/N of the keys, and a worker that becomes unavailable hands its keys to
+the next worker clockwise while every other key stays put.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from .policy import RoutingPolicy, RoutingRequest, available_workers
+from .policy import RoutingPolicy, RoutingRequest, available_workers, tenant_key
 from .random_policy import twin_rng
 from .workers import Worker
 
@@ -70,7 +73,7 @@ class ConsistentHashPolicy(RoutingPolicy):
             return rng.choice([w for w in candidates if w.in_flight == least])
         by_url = {w.url: w for w in candidates}
         ring = self._ring([w.url for w in workers])
-        start = bisect.bisect_right(ring.hashes, _hash(key))
+        start = bisect.bisect_right(ring.hashes, _hash(tenant_key(request.tenant, key)))
         n = len(ring.owners)
         for offset in range(n):
             worker = by_url.get(ring.owners[(start + offset) % n])

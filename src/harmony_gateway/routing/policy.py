@@ -2,7 +2,9 @@
 
 A policy picks one worker for one request among the workers the pipeline offers (already narrowed to the
 request's model). It only reads worker state; the pipeline owns `in_flight` and the health checker owns
-health and the breaker. Adding a policy is one file plus one line in `routing/registry.py`.
+health and the breaker. Every entry a policy keeps about requests (prefix index, affinity keys) lives in
+the request's tenant namespace (`RoutingRequest.tenant`, `tenant_key`), so one tenant's lookup never
+matches another's entries. Adding a policy is one file plus one line in `routing/registry.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class RoutingRequest:
     `x-session-id`-style header when present, else the request's `user` field, else the conversation id;
     None when the request carries none of them. `cache_key` is the client's `prompt_cache_key` (Codex
     sends one per session): the key under which the client expects its prompt prefix to be cached.
+    `tenant` is the request's tenant (`RequestContext.owner`; "" on an open gateway): the namespace of
+    everything a policy records or looks up for the request, so identical prompts or keys of two
+    tenants never share an entry.
     """
 
     model: str
@@ -31,6 +36,7 @@ class RoutingRequest:
     routing_key: str | None = None
     request_id: str = ""
     cache_key: str | None = None
+    tenant: str = ""
 
 
 class RoutingPolicy(Protocol):
@@ -63,6 +69,12 @@ class RoutingPolicy(Protocol):
     def on_worker_removed(self, worker: Worker) -> None:
         """Called when `worker` leaves the registry, so per-worker state can be dropped."""
         return None
+
+
+def tenant_key(tenant: str, key: str) -> str:
+    """`key` inside `tenant`'s namespace: distinct tenants never give the same string (the tenant's
+    length comes first, so no choice of key can spell another tenant's prefix)."""
+    return f"{len(tenant)}:{tenant}:{key}"
 
 
 def available_workers(workers: Sequence[Worker], request: RoutingRequest) -> list[Worker]:

@@ -572,9 +572,11 @@ async function showPrompt(which) {
     el.promptText.append(fragment);
     el.promptIds.textContent = shown.token_ids.join(", ");
     const routing = shown.routing || {};
-    const worker = routing.worker ? `${routing.worker.id} (${routing.worker.url})` : "none available";
+    // The worker choice is shown to admins only (a tenant's render leaves it out).
+    const worker = !("worker" in routing) ? "" : " would pick " +
+      (routing.worker ? `${routing.worker.id} (${routing.worker.url})` : "none available");
     el.promptSummary.textContent = `${shown.token_count} tokens in ${shown.messages.length} messages · ` +
-      `model ${shown.model} · ${routing.policy} would pick ${worker}` +
+      `model ${shown.model} · ${routing.policy}${worker}` +
       (routing.cache_match_tokens != null ? ` · cached prefix ${routing.cache_match_tokens} tokens` : "");
     el.promptMeta.textContent = JSON.stringify(
       { messages: shown.messages.map(({ text, ...m }) => m), stop_token_ids: shown.stop_token_ids,
