@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args
+from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
 
 
 @pytest.mark.parametrize("command", [[], ["serve"], ["sim-engine"], ["vocab"], ["render"]])
@@ -97,3 +98,30 @@ def test_agent_client_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) 
     assert settings_from_args(build_parser().parse_args(base)).reasoning_key == "from-env"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--unbacked-tools", "maybe"])
+
+
+def test_reasoning_key_file_keeps_the_key_out_of_the_process_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["serve", "--worker-url", "grpc://h:1"]
+    monkeypatch.setenv("HARMONY_GATEWAY_REASONING_KEY", "from-env")
+    key_file = tmp_path / "reasoning.key"
+    key_file.write_text("from-file\n")
+    args = build_parser().parse_args([*base, "--reasoning-key-file", str(key_file)])
+    assert settings_from_args(args).reasoning_key == "from-file"  # the file wins over the environment
+    assert visible_secret_warning(args) is None
+    shown = build_parser().parse_args([*base, "--reasoning-key", "s3cret"])
+    assert "process list" in (visible_secret_warning(shown) or "")
+    assert "s3cret" not in (visible_secret_warning(shown) or "")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--reasoning-key", "a", "--reasoning-key-file", str(key_file)])
+    capsys.readouterr()
+    for bad in (tmp_path / "missing.key", tmp_path / "empty.key"):
+        if bad.name == "empty.key":
+            bad.write_text("  \n")
+        with pytest.raises(SystemExit) as info:
+            settings_from_args(build_parser().parse_args([*base, "--reasoning-key-file", str(bad)]))
+        assert "--reasoning-key-file" in str(info.value.code)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "--reasoning-key-file" in capsys.readouterr().out

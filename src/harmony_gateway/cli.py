@@ -105,6 +105,29 @@ def _admin_keys(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(keys)
 
 
+def _reasoning_key(args: argparse.Namespace) -> str | None:
+    """The reasoning key: --reasoning-key-file, else --reasoning-key, else HARMONY_GATEWAY_REASONING_KEY."""
+    if args.reasoning_key_file:
+        try:
+            key = Path(args.reasoning_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"harmony-gateway: --reasoning-key-file: cannot read it: {exc}") from None
+        if not key:
+            raise SystemExit(f"harmony-gateway: --reasoning-key-file: {args.reasoning_key_file} is empty")
+        return key
+    return args.reasoning_key or os.environ.get("HARMONY_GATEWAY_REASONING_KEY") or None
+
+
+def visible_secret_warning(args: argparse.Namespace) -> str | None:
+    """Why the command line is a poor place for a secret that was given on it, or None."""
+    if args.reasoning_key:
+        return (
+            "--reasoning-key is visible to every local user in the process list (ps); "
+            "use --reasoning-key-file or HARMONY_GATEWAY_REASONING_KEY instead"
+        )
+    return None
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     harmony_models = _split_list(args.harmony_models) + _split_list([os.environ.get("HARMONY_MODELS", "")])
     return Settings(
@@ -163,7 +186,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         mcp_max_output_chars=args.mcp_max_output_chars,
         max_tool_calls=args.max_tool_calls,
         unbacked_tools=args.unbacked_tools,
-        reasoning_key=args.reasoning_key or os.environ.get("HARMONY_GATEWAY_REASONING_KEY") or None,
+        reasoning_key=_reasoning_key(args),
         tokenizer_paths=_pairs(args.tokenizer, "--tokenizer"),
         reasoning_parsers=_pairs(args.reasoning_parser, "--reasoning-parser"),
         tool_call_parsers=_pairs(args.tool_call_parser, "--tool-call-parser"),
@@ -442,12 +465,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="hosted tools nothing backs (web_search without a browser server, file_search, ...): "
         "leave them out of the prompt (drop) or answer 400 (reject)",
     )
-    p.add_argument(
+    reasoning_key = p.add_mutually_exclusive_group()
+    reasoning_key.add_argument(
+        "--reasoning-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the key for encrypted reasoning and thinking signatures (surrounding "
+        "whitespace ignored); or set HARMONY_GATEWAY_REASONING_KEY. Default: generated once and kept in "
+        "the storage",
+    )
+    reasoning_key.add_argument(
         "--reasoning-key",
         default=None,
         metavar="SECRET",
-        help="key for encrypted reasoning and thinking signatures (also HARMONY_GATEWAY_REASONING_KEY); "
-        "default: generated once and kept in the storage",
+        help="the same key given inline; discouraged: the command line is visible to every local user "
+        "in the process list (ps), so prefer --reasoning-key-file or HARMONY_GATEWAY_REASONING_KEY",
     )
     p.add_argument(
         "--tokenizer",
@@ -821,6 +853,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(_render_command(args))
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_json)
+    warning = visible_secret_warning(args)
+    if warning:
+        log.warning(warning)
     problem = invalid_setting(settings)
     if problem:
         print(f"harmony-gateway: {problem}", file=sys.stderr)

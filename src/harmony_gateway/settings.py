@@ -101,8 +101,9 @@ class Settings:
     max_tool_calls: int = 10
     #: Hosted tools without a backing (web_search without a browser server, file_search, ...): drop | reject.
     unbacked_tools: str = "drop"
-    #: Key of the reasoning AEAD/HMAC (encrypted_content, thinking signatures); None: generated once and
-    #: kept in the storage so restarts and replicas share it.
+    #: Key of the reasoning AEAD/HMAC (encrypted_content, thinking signatures), from --reasoning-key-file,
+    #: HARMONY_GATEWAY_REASONING_KEY or --reasoning-key; None: generated once and kept in the storage so
+    #: restarts and replicas share it. What it seals or signs is bound to the tenant as well.
     reasoning_key: str | None = None
     tokenizer_paths: dict[str, str] = field(default_factory=dict)
     reasoning_parsers: dict[str, str] = field(default_factory=dict)

@@ -269,7 +269,7 @@ async def test_messages_restore_the_analysis_of_their_tool_uses(
         thinking = next(b for b in first.content if b.type == "thinking")
         use = next(b for b in first.content if b.type == "tool_use")
         assert thinking.thinking == ANALYSIS
-        vault = await reasoning_vault(gateway.state)
+        vault = await reasoning_vault(gateway.state, "")  # the open gateway's tenant
         assert vault.verify(thinking.thinking, thinking.signature)
         assert not vault.verify("something else", thinking.signature)
         result = {

@@ -72,7 +72,7 @@ def model_group() -> ModelGroup:
 
 async def render_request(**body: Any) -> list[int]:
     request = ChatCompletionRequest.model_validate({"model": MODEL, **body})
-    prepared = await prepare_chat(gateway_state(), request, model_group())
+    prepared = await prepare_chat(gateway_state(), request, model_group(), owner="")
     assert prepared.sampling.stop_token_ids == [RETURN, CALL]
     return prepared.input_ids
 

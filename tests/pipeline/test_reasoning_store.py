@@ -20,7 +20,7 @@ KEY = b"k" * 32
 @settings(max_examples=50, deadline=None)
 @given(text=st.text())
 def test_seal_open_round_trip(text: str) -> None:
-    vault = ReasoningVault(KEY, MemoryStore())
+    vault = ReasoningVault(KEY, MemoryStore(), owner="")
     sealed = vault.seal(text)
     assert sealed != vault.seal(text)  # a fresh nonce each time
     assert vault.open(sealed, param="p") == text
@@ -29,12 +29,15 @@ def test_seal_open_round_trip(text: str) -> None:
 @pytest.mark.parametrize("blob", ["", "hg1.", "hg1.AAAA", "plain text", 42, None])
 def test_junk_blobs_are_400_naming_the_param(blob: object) -> None:
     with pytest.raises(InvalidRequest) as info:
-        ReasoningVault(KEY, MemoryStore()).open(blob, param="input[3].encrypted_content")
+        ReasoningVault(KEY, MemoryStore(), owner="").open(blob, param="input[3].encrypted_content")
     assert info.value.param == "input[3].encrypted_content"
 
 
 def test_another_key_cannot_open_or_sign() -> None:
-    mine, theirs = ReasoningVault(KEY, MemoryStore()), ReasoningVault(b"x" * 32, MemoryStore())
+    mine, theirs = (
+        ReasoningVault(KEY, MemoryStore(), owner=""),
+        ReasoningVault(b"x" * 32, MemoryStore(), owner=""),
+    )
     with pytest.raises(InvalidRequest):
         theirs.open(mine.seal("secret plan"), param="p")
     assert mine.verify("thought", mine.sign("thought"))
@@ -44,7 +47,7 @@ def test_another_key_cannot_open_or_sign() -> None:
 
 async def test_remember_and_recall_by_call_id() -> None:
     store = MemoryStore()
-    vault = ReasoningVault(KEY, store)
+    vault = ReasoningVault(KEY, store, owner="")
     await vault.remember(["call_a", "call_b"], "the analysis")
     assert await vault.recall(["call_x", "call_b"]) == "the analysis"
     assert await vault.recall(["call_x"]) is None
@@ -67,7 +70,28 @@ class _State:
 
 async def test_generated_key_is_kept_in_the_storage() -> None:
     store = MemoryStore()
-    one = await reasoning_vault(_State(store))
-    two = await reasoning_vault(_State(store))  # another process on the same storage
+    one = await reasoning_vault(_State(store), "")
+    two = await reasoning_vault(_State(store), "")  # another process on the same storage
     assert two.open(one.seal("shared"), param="p") == "shared"
     assert await store.get_value(KEY_NAME, now=time.time()) is not None
+
+
+def test_a_blob_or_signature_does_not_cross_tenants() -> None:
+    store = MemoryStore()
+    alice = ReasoningVault(KEY, store, owner="owner-alice")
+    bob = ReasoningVault(KEY, store, owner="owner-bob")
+    with pytest.raises(InvalidRequest) as info:
+        bob.open(alice.seal("alice's plan"), param="input[1].encrypted_content")
+    assert info.value.param == "input[1].encrypted_content" and "alice" not in info.value.message
+    assert alice.open(alice.seal("alice's plan"), param="p") == "alice's plan"
+    assert not bob.verify("thought", alice.sign("thought"))
+    assert alice.verify("thought", alice.sign("thought"))
+
+
+async def test_tenant_and_call_id_cannot_be_shifted_into_each_other() -> None:
+    store = MemoryStore()
+    await ReasoningVault(KEY, store, owner="ab").remember(["c"], "ab's analysis")
+    assert await ReasoningVault(KEY, store, owner="a").recall(["bc"]) is None
+    assert ReasoningVault(KEY, store, owner="a").sign("bc") != ReasoningVault(KEY, store, owner="ab").sign(
+        "c"
+    )

@@ -85,9 +85,9 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     state = gateway(request)
     try:
-        owner_of(state, request)
+        owner = owner_of(state, request)
         count_request = CountTokensRequest.model_validate(await json_body(request))
-        result = await count_message_tokens(state, count_request)
+        result = await count_message_tokens(state, count_request, owner=owner)
     except Exception as exc:
         return _error_response(request, None, exc)
     return Response(orjson.dumps(result), media_type="application/json", headers=_ids(None, request))

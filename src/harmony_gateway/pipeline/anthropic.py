@@ -34,12 +34,16 @@ Reasoning across tool turns: an assistant turn with `tool_use` blocks sent back 
 gets the analysis the gateway produced for it restored, found by the tool_use ids it issued
 (`reasoning_store`); thinking blocks the client sends always win.
 
-Output: analysis → `thinking` blocks (with a `signature`: HMAC-SHA256 of the text under the gateway's
-reasoning key, so the gateway can verify a block it produced; a block is rendered either way), final
-and preamble text → `text` blocks, function calls → `tool_use` blocks (`toolu_...`, `input` parsed from
-the arguments; arguments that are not a JSON object give `input: {}` and a warning in the log). A call's
-arguments are streamed as one `input_json_delta` when the call is complete, because the SDK parses every
-partial JSON prefix and would fail on invalid arguments.
+Thinking blocks sent back: a `signature` this gateway made (`reasoning_store.SIGNATURE_PREFIX`) must
+verify for the request's tenant and the block's text, else 400 naming it (a changed block, or one issued
+to another API key); a block with any other signature is the client's own thinking and is rendered.
+
+Output: analysis → `thinking` blocks (with a `signature`: HMAC-SHA256 of the tenant and the text under
+the gateway's reasoning key, `ReasoningVault.sign`), final and preamble text → `text` blocks, function
+calls → `tool_use` blocks (`toolu_...`, `input` parsed from the arguments; arguments that are not a JSON
+object give `input: {}` and a warning in the log). A call's arguments are streamed as one
+`input_json_delta` when the call is complete, because the SDK parses every partial JSON prefix and would
+fail on invalid arguments.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from .hosted_tools import note_dropped_tool
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from .prepare import HarmonyTurn, apply_tool_choice, prepare_harmony, sampling_options
 from .reasoning_budget import budget_exceeded
-from .reasoning_store import reasoning_vault, recall_analyses, turn_remembering
+from .reasoning_store import SIGNATURE_PREFIX, reasoning_vault, recall_analyses, turn_remembering
 from .text_output import TextChoiceOutput, text_parser_stats
 from .text_upstream import attach_harmony_upstream, is_text_group
 
@@ -241,6 +245,37 @@ def restorable_turns(request: CountTokensRequest) -> dict[int, list[str]]:
         if not any(b.get("type") in ("thinking", "redacted_thinking") for b in blocks):
             turns[i] = ["call_" + u[6:] if u.startswith("toolu_") else u for u in uses]
     return turns
+
+
+def _gateway_signed_thinking(request: CountTokensRequest) -> list[tuple[str, Any, str]]:
+    """(param, thinking, signature) of each assistant `thinking` block whose signature is one this
+    gateway makes (`ReasoningVault.sign`), which must verify before the block is rendered."""
+    signed: list[tuple[str, Any, str]] = []
+    for i, message in enumerate(request.messages):
+        if message.role != "assistant" or not isinstance(message.content, list):
+            continue
+        for j, block in enumerate(message.content):
+            signature = block.get("signature")
+            if block.get("type") == "thinking" and isinstance(signature, str):
+                if signature.startswith(SIGNATURE_PREFIX):
+                    signed.append((f"messages[{i}].content[{j}].signature", block.get("thinking"), signature))
+    return signed
+
+
+async def _verify_thinking_signatures(state: GatewayState, request: CountTokensRequest, owner: str) -> None:
+    """Raises InvalidRequest naming the first gateway-signed thinking block that was not signed for tenant
+    `owner` over its text."""
+    signed = _gateway_signed_thinking(request)
+    if not signed:
+        return
+    vault = await reasoning_vault(state, owner)
+    for param, text, signature in signed:
+        if not (isinstance(text, str) and vault.verify(text, signature)):
+            raise InvalidRequest(
+                "thinking block signature does not match: the block was changed, or issued to another "
+                "API key; send thinking blocks back unmodified, with the key that received them",
+                param=param,
+            )
 
 
 def _user_message(
@@ -490,10 +525,12 @@ def messages_turn(
 
 @traced("gateway.prepare")
 async def prepare_messages(
-    state: GatewayState, request: CountTokensRequest, group: ModelGroup
+    state: GatewayState, request: CountTokensRequest, group: ModelGroup, *, owner: str
 ) -> MessagesPlan:
-    """Validate and render a Messages (or count_tokens) request; raises InvalidRequest naming the field."""
+    """Validate and render a Messages (or count_tokens) request for tenant `owner` (`ctx.owner`), whose
+    analyses of earlier tool-use turns are restored; raises InvalidRequest naming the field."""
     _, show_thinking, _ = thinking_options(request)
+    await _verify_thinking_signatures(state, request, owner)
     if not group.harmony:
         from .chat_template import prepare_chat_template
 
@@ -501,17 +538,18 @@ async def prepare_messages(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
         )
     tools = anthropic_tools(request, unbacked=state.settings.unbacked_tools, metrics=state.metrics)
-    restored = await recall_analyses(state, restorable_turns(request))
+    restored = await recall_analyses(state, owner, restorable_turns(request))
     full = request if isinstance(request, MessagesRequest) else None
     prepared = await prepare_harmony(state, group, messages_turn(request, group, tools, restored))
     if full is not None:
-        prepared.after_turn = turn_remembering(state)
+        prepared.after_turn = turn_remembering(state, owner)
     if full is not None and is_text_group(group):
         # An HTTP upstream: Harmony as text, read back by the text-level parser. A thinking budget
         # needs a gRPC engine; Claude Code always sends one, so it is dropped rather than refused.
         prepared.max_reasoning_tokens = None
         attach_harmony_upstream(state, prepared, messages_as_chat(full))
-    sign = (await reasoning_vault(state)).sign if full is not None and show_thinking else thinking_signature
+    shown = full is not None and show_thinking
+    sign = (await reasoning_vault(state, owner)).sign if shown else thinking_signature
     return MessagesPlan(prepared, show_thinking, sign)
 
 
@@ -702,7 +740,9 @@ def anthropic_usage(
 
 
 # -- running a request -----------------------------------------------------------------------------
-async def count_message_tokens(state: GatewayState, request: CountTokensRequest) -> dict[str, int]:
+async def count_message_tokens(
+    state: GatewayState, request: CountTokensRequest, *, owner: str
+) -> dict[str, int]:
     group = resolve_group(state, request.model)
     if not group.harmony and is_text_group(group):
         raise InvalidRequest(
@@ -710,7 +750,7 @@ async def count_message_tokens(state: GatewayState, request: CountTokensRequest)
             "HTTP upstream, whose chat template the gateway does not render",
             param="model",
         )
-    plan = await prepare_messages(state, request, group)
+    plan = await prepare_messages(state, request, group, owner=owner)
     return {"input_tokens": len(plan.prepared.input_ids)}
 
 
@@ -720,7 +760,7 @@ async def run_messages(
     """A Message body, or the SSE byte stream; raises GatewayError before any output."""
     group = resolve_group(state, request.model)
     ctx.model = group.name
-    plan = await prepare_messages(state, request, group)
+    plan = await prepare_messages(state, request, group, owner=ctx.owner)
     prepared = plan.prepared
     ctx.prompt_tokens = len(prepared.input_ids)
     choice: ChoiceOutput | TextChoiceOutput

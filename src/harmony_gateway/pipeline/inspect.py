@@ -69,11 +69,11 @@ async def render_request(
         group = state.fleet.group(chat.model)
         if ctx.routing_key is None:
             ctx.routing_key = chat.user  # as run_chat: consistent_hash keeps one user on one KV cache
-        prepared = await prepare_chat(state, chat, group)
+        prepared = await prepare_chat(state, chat, group, owner=ctx.owner)
     elif api == "messages":
         message_request = MessagesRequest.model_validate(request)
         group = resolve_group(state, message_request.model)
-        prepared = (await prepare_messages(state, message_request, group)).prepared
+        prepared = (await prepare_messages(state, message_request, group, owner=ctx.owner)).prepared
     else:
         prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
     ctx.model = prepared.group.name

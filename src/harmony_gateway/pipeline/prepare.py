@@ -540,13 +540,15 @@ def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[
 
 @traced("gateway.prepare")
 async def prepare_chat(
-    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
+    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, *, owner: str
 ) -> PreparedRequest:
+    """Validate and render a chat request for tenant `owner` (`ctx.owner`), whose analyses of earlier
+    tool-call turns are restored; raises InvalidRequest naming the field."""
     if not group.harmony:
         from .chat_template import prepare_chat_template
 
         return await prepare_chat_template(state, request, group)
-    restored = await recall_analyses(state, restorable_turns(request.messages))
+    restored = await recall_analyses(state, owner, restorable_turns(request.messages))
     prepared = await prepare_harmony(state, group, chat_turn(request, group, restored))
-    prepared.after_turn = turn_remembering(state)
+    prepared.after_turn = turn_remembering(state, owner)
     return prepared

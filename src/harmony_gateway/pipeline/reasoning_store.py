@@ -1,23 +1,27 @@
-"""Reasoning that survives the turn for stateless clients.
+"""Reasoning that survives the turn for stateless clients, bound to the tenant it was produced for.
 
 gpt-oss is trained to see the current turn's analysis until the turn ends in a final answer; clients that
 keep no server state lose it between tool calls unless they can send it back. `ReasoningVault` gives them
-three ways, all under one gateway key:
+three ways, all under one gateway key and all bound to the tenant (`ctx.owner`, "" on an open gateway)
+the vault was opened for (`reasoning_vault(state, owner)`), so one tenant's values are worthless to another:
 
 - Responses `include: ["reasoning.encrypted_content"]`: each reasoning item carries `encrypted_content`,
-  the analysis text under AES-256-GCM (AEAD: a changed or foreign blob fails to open, which is a 400
-  naming the input param). Versioned `hg1.` + base64url(nonce || ciphertext || tag).
+  the analysis text under AES-256-GCM whose associated data names the purpose, its version and the tenant
+  (AEAD: a changed blob, or one sealed for another key or tenant, fails to open, which is a 400 naming the
+  input param). Versioned `hg1.` + base64url(nonce || ciphertext || tag).
 - Chat Completions and Anthropic Messages clients that send the assistant's tool calls back without the
-  reasoning: the analysis the gateway produced for a turn is kept in the storage under each tool call id it
-  issued (`remember`), with a TTL, and restored by those ids (`recall`). Storage is shared, so any replica
-  restores it; what the client sends always wins. The ids are unguessable (96 random bits) and only the
-  client that received them knows them, so they are the lookup key on their own.
-- Anthropic `thinking` blocks carry a `signature`: HMAC-SHA256 of the thinking text.
+  reasoning: the analysis the gateway produced for a turn is kept in the storage under (tenant, each tool
+  call id it issued) (`remember`), with a TTL, and restored by those ids for that tenant only (`recall`):
+  a call id is no secret once a tenant has shown it to anyone, so the id alone is not a key. Storage is
+  shared, so any replica restores it; what the client sends always wins.
+- Anthropic `thinking` blocks carry a `signature`: `hgt1.` + HMAC-SHA256 over the tenant and the thinking
+  text. A block sent back with a signature of that form must verify for the tenant (else 400 naming it);
+  other signatures (none, another provider's) mark the client's own thinking and are rendered as such.
 
-The key comes from `--reasoning-key` / HARMONY_GATEWAY_REASONING_KEY (any string, stretched with
-SHA-256); without one, 32 random bytes are generated once and kept in the storage (`add_value`, first
-writer wins), so restarts and replicas on the same storage share it. Encryption and signing keys are
-derived from it separately (HMAC-SHA256 with distinct labels).
+The key comes from `--reasoning-key-file`, HARMONY_GATEWAY_REASONING_KEY or `--reasoning-key` (any
+string, stretched with SHA-256); without one, 32 random bytes are generated once and kept in the storage
+(`add_value`, first writer wins), so restarts and replicas on the same storage share it. Encryption and
+signing keys are derived from it separately (HMAC-SHA256 with distinct labels).
 """
 
 from __future__ import annotations
@@ -49,43 +53,52 @@ RECALL_TTL_SECONDS = 24 * 3600.0
 #: Longest analysis kept for restoring (characters); longer ones are cut from the front.
 MAX_RECALL_CHARS = 64_000
 _PREFIX = "hg1."
-_AAD = b"harmony-gateway reasoning v1"
+#: What a thinking signature made by this gateway starts with (`ReasoningVault.sign`).
+SIGNATURE_PREFIX = "hgt1."
 _NONCE = 12
+# Purpose and version of each tenant-bound value: the same tenant's encrypted_content, thinking signature
+# and reasoning record are never interchangeable, and a later format can change without colliding.
+_SEAL_PURPOSE = b"harmony-gateway encrypted_content v2"
+_SIGN_PURPOSE = b"harmony-gateway thinking signature v2"
+_RECALL_PURPOSE = b"harmony-gateway reasoning record v2"
 
 
 class ReasoningVault:
-    """Seals, opens and signs reasoning with one key; remembers analyses by tool call id in `store`."""
+    """Seals, opens and signs reasoning for one tenant (`owner`) with the gateway key; remembers analyses
+    in `store` under (tenant, tool call id). Everything it makes is worthless to another tenant's vault."""
 
-    def __init__(self, key: bytes, store: Any) -> None:
+    def __init__(self, key: bytes, store: Any, *, owner: str) -> None:
         self._aead = AESGCM(hmac.new(key, b"encrypt", hashlib.sha256).digest())
         self._mac_key = hmac.new(key, b"sign", hashlib.sha256).digest()
         self._store = store
+        self._owner = owner
 
     # -- encrypted_content ------------------------------------------------------------------------
     def seal(self, text: str) -> str:
         nonce = os.urandom(_NONCE)
-        blob = nonce + self._aead.encrypt(nonce, text.encode(), _AAD)
+        blob = nonce + self._aead.encrypt(nonce, text.encode(), self._bound(_SEAL_PURPOSE))
         return _PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
     def open(self, sealed: Any, *, param: str) -> str:
-        """The analysis text in `sealed`; InvalidRequest naming `param` if it was not sealed with this key."""
+        """The analysis text in `sealed`; InvalidRequest naming `param` if it was not sealed with this key
+        for this tenant."""
         if not isinstance(sealed, str) or not sealed.startswith(_PREFIX):
             raise InvalidRequest("encrypted_content was not produced by this gateway", param=param)
         try:
             raw = base64.urlsafe_b64decode(sealed[len(_PREFIX) :] + "=" * (-len(sealed) % 4))
-            text = self._aead.decrypt(raw[:_NONCE], raw[_NONCE:], _AAD)
+            text = self._aead.decrypt(raw[:_NONCE], raw[_NONCE:], self._bound(_SEAL_PURPOSE))
             return text.decode()
         except (InvalidTag, ValueError, binascii.Error, UnicodeDecodeError):
             raise InvalidRequest(
-                "encrypted_content could not be decrypted: it was changed, or sealed with another key",
+                "encrypted_content could not be decrypted: it was changed, sealed with another key, "
+                "or issued to another API key",
                 param=param,
             ) from None
 
     # -- Anthropic thinking signatures ------------------------------------------------------------
     def sign(self, text: str) -> str:
-        return base64.urlsafe_b64encode(
-            hmac.new(self._mac_key, text.encode(), hashlib.sha256).digest()
-        ).decode()
+        mac = hmac.new(self._mac_key, self._bound(_SIGN_PURPOSE) + text.encode(), hashlib.sha256)
+        return SIGNATURE_PREFIX + base64.urlsafe_b64encode(mac.digest()).decode().rstrip("=")
 
     def verify(self, text: str, signature: Any) -> bool:
         return isinstance(signature, str) and hmac.compare_digest(self.sign(text), signature)
@@ -97,38 +110,43 @@ class ReasoningVault:
         value = {"analysis": analysis[-MAX_RECALL_CHARS:]}
         expires = time.time() + RECALL_TTL_SECONDS
         for call_id in call_ids:
-            await self._store.put_value(_recall_key(call_id), value, expires_at=expires)
+            await self._store.put_value(self._record_key(call_id), value, expires_at=expires)
 
     async def recall(self, call_ids: Iterable[str]) -> str | None:
-        """The analysis remembered under the first of `call_ids` that has one."""
+        """The analysis remembered for this tenant under the first of `call_ids` that has one."""
         now = time.time()
         for call_id in call_ids:
-            found = await self._store.get_value(_recall_key(call_id), now=now)
+            found = await self._store.get_value(self._record_key(call_id), now=now)
             if found is not None:
                 return str(found.get("analysis") or "") or None
         return None
 
+    def _bound(self, purpose: bytes) -> bytes:
+        """`purpose` and the tenant, each length-prefixed so no (tenant, value) pair reads as another."""
+        owner = self._owner.encode()
+        return b"".join(len(part).to_bytes(4, "big") + part for part in (purpose, owner))
 
-def _recall_key(call_id: str) -> str:
-    # Stored hashed: the storage never holds a usable call id.
-    return "reasoning:" + hashlib.sha256(call_id.encode()).hexdigest()
+    def _record_key(self, call_id: str) -> str:
+        # Stored hashed: the storage never holds a usable call id, and one tenant's record cannot be found
+        # (or overwritten) under another tenant's key for the same id.
+        digest = hashlib.sha256(self._bound(_RECALL_PURPOSE) + call_id.encode())
+        return "reasoning:" + digest.hexdigest()
 
 
-_vaults: weakref.WeakKeyDictionary[Any, ReasoningVault] = weakref.WeakKeyDictionary()
+_keys: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 _locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-async def reasoning_vault(state: Any) -> ReasoningVault:
-    """The gateway's vault (built on first use: the generated key may have to be read from storage)."""
-    vault = _vaults.get(state)
-    if vault is not None:
-        return vault
-    lock = _locks.setdefault(state, asyncio.Lock())
-    async with lock:
-        vault = _vaults.get(state)
-        if vault is None:
-            vault = _vaults[state] = ReasoningVault(await _gateway_key(state), state.store)
-    return vault
+async def reasoning_vault(state: Any, owner: str) -> ReasoningVault:
+    """The vault of tenant `owner` (`ctx.owner`). The gateway key is read once per gateway, on first use:
+    a generated key may have to be read from the storage."""
+    key = _keys.get(state)
+    if key is None:
+        async with _locks.setdefault(state, asyncio.Lock()):
+            key = _keys.get(state)
+            if key is None:
+                key = _keys[state] = await _gateway_key(state)
+    return ReasoningVault(key, state.store, owner=owner)
 
 
 async def _gateway_key(state: Any) -> bytes:
@@ -140,10 +158,10 @@ async def _gateway_key(state: Any) -> bytes:
     return base64.b64decode(stored["key"])
 
 
-def turn_remembering(state: Any) -> Callable[[Any], Awaitable[None]]:
+def turn_remembering(state: Any, owner: str) -> Callable[[Any], Awaitable[None]]:
     """The `PreparedRequest.after_turn` hook of Chat and Messages requests: once a choice has finished,
-    keep the analysis of a turn that called tools under the call ids it issued. Storage trouble is logged,
-    never fails the response."""
+    keep the analysis of a turn that called tools under tenant `owner` and the call ids it issued.
+    Storage trouble is logged, never fails the response."""
 
     async def remember_turn(choice: Any) -> None:
         messages = getattr(getattr(choice, "parser", None), "messages", None)
@@ -156,19 +174,20 @@ def turn_remembering(state: Any) -> Callable[[Any], Awaitable[None]]:
         if not calls or not analysis:
             return
         try:
-            await (await reasoning_vault(state)).remember(calls, analysis)
+            await (await reasoning_vault(state, owner)).remember(calls, analysis)
         except Exception as exc:
             log.warning("could not keep the analysis of tool calls %s: %s", calls, exc)
 
     return remember_turn
 
 
-async def recall_analyses(state: Any, turns: dict[int, list[str]]) -> dict[int, str]:
-    """Remembered analysis per assistant turn (index → text) for turns given as index → their call ids."""
+async def recall_analyses(state: Any, owner: str, turns: dict[int, list[str]]) -> dict[int, str]:
+    """Analysis remembered for tenant `owner` per assistant turn (index → text), for turns given as
+    index → their call ids."""
     if not turns:
         return {}
     try:
-        vault = await reasoning_vault(state)
+        vault = await reasoning_vault(state, owner)
         found = {i: await vault.recall(ids) for i, ids in turns.items()}
     except Exception as exc:
         log.warning("could not restore the analysis of earlier tool calls: %s", exc)
@@ -180,8 +199,11 @@ def wants_encrypted_reasoning(include: Any) -> bool:
     return ENCRYPTED_INCLUDE in (include or ())
 
 
-async def vault_for(state: Any, include: Any, *item_lists: Iterable[Any]) -> ReasoningVault | None:
-    """The vault when a Responses request needs it: it asks for encrypted reasoning, or replays some."""
+async def vault_for(
+    state: Any, owner: str, include: Any, *item_lists: Iterable[Any]
+) -> ReasoningVault | None:
+    """Tenant `owner`'s vault when a Responses request needs it: it asks for encrypted reasoning, or
+    replays some."""
     needed = wants_encrypted_reasoning(include) or any(
         isinstance(item, dict)
         and item.get("type") == "reasoning"
@@ -189,12 +211,13 @@ async def vault_for(state: Any, include: Any, *item_lists: Iterable[Any]) -> Rea
         for items in item_lists
         for item in items
     )
-    return await reasoning_vault(state) if needed else None
+    return await reasoning_vault(state, owner) if needed else None
 
 
 __all__ = [
     "ENCRYPTED_INCLUDE",
     "RECALL_TTL_SECONDS",
+    "SIGNATURE_PREFIX",
     "ReasoningVault",
     "reasoning_vault",
     "recall_analyses",

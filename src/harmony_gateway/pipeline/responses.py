@@ -391,7 +391,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         placeholders[decision.request_id] = placeholder
         approvals.append((decision, placeholder))
     extra_instructions: list[str] = []
-    vault = await vault_for(state, req.include, items, conversation_items)
+    vault = await vault_for(state, ctx.owner, req.include, items, conversation_items)
     turn = items_to_messages(
         items,
         call_names,

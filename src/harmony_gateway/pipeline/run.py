@@ -45,7 +45,7 @@ async def run_chat(
     if ctx.routing_key is None:
         ctx.routing_key = request.user  # consistent_hash keeps one user's turns on one KV cache
     ctx.prompt_cache_key = prompt_cache_key_of(request)  # hook: prompt_cache_key routing
-    prepared = await prepare_chat(state, request, group)
+    prepared = await prepare_chat(state, request, group, owner=ctx.owner)
     if prepared.harmony and is_text_group(group):
         attach_harmony_upstream(state, prepared, request)  # an HTTP upstream: Harmony as text
     ctx.prompt_tokens = len(prepared.input_ids)
