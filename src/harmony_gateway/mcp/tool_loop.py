@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..harmony.messages import FunctionTool, ToolNamespace
-from .approval import needs_approval, validate_policy
+from .approval import ApprovalIds, approval_request_item, needs_approval, validate_policy
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed
 from .config import ServerConfig
 from .security import check_server_url
@@ -239,10 +239,12 @@ class ToolLoop:
         max_calls: int,
         tool_timeout: float,
         max_output_chars: int,
+        approval_ids: ApprovalIds,
         metrics: Any = None,
     ) -> None:
         self.pool = pool
         self.max_calls = max_calls
+        self.approval_ids = approval_ids
         self.tool_timeout = tool_timeout
         self.max_output_chars = max_output_chars
         self.metrics = metrics
@@ -300,6 +302,12 @@ class ToolLoop:
             return decision
         self.calls += 1
         return decision
+
+    def approval_request(self, decision: Decision, arguments: str) -> dict[str, Any]:
+        """The `mcp_approval_request` item for a call decided APPROVAL, its id issued for this tenant and
+        call (only such ids are accepted as answered later)."""
+        label = decision.server.label if decision.server is not None else ""
+        return approval_request_item(self.approval_ids, label, decision.tool, arguments)
 
     def limit_text(self) -> str:
         return (
@@ -388,6 +396,7 @@ async def open_tool_loop(
     max_calls: int,
     listed: dict[str, list[McpTool]],
     new_id: Any,
+    approval_ids: ApprovalIds,
     metrics: Any = None,
 ) -> ToolLoop:
     """Connect and list every server the request uses; raises InvalidRequest (bad or refused tools) or
@@ -400,6 +409,7 @@ async def open_tool_loop(
         max_calls=max_calls,
         tool_timeout=limits.tool_timeout,
         max_output_chars=limits.max_output_chars,
+        approval_ids=approval_ids,
         metrics=metrics,
     )
     config = pool.config
