@@ -3,7 +3,8 @@ with two tenant keys (real HTTP) → the sim engine (real gRPC), with a real MCP
 
 An approval request id is signed for its tenant and its call (server label, tool, arguments), so a
 client cannot make one up, alter the call it approves, or replay another tenant's; it works with
-`store: false` and on every replica sharing the storage.
+`store: false` and on every replica sharing the storage. Approved calls count against `max_tool_calls`
+and `--max-tool-calls` like every other call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import openai
 import pytest
 
+from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim
 from tests.conftest import MODEL
 from tests.mcp.servers import RunningMcp, build_docs_server, serve_mcp
@@ -215,3 +217,53 @@ async def test_another_tenant_cannot_replay_an_issued_approval(
         assert info.value.param == f"input[{position}].approval_request_id"
         assert "tenant_a_secret" not in info.value.message
     assert len(docs_calls) == calls
+
+
+def last_prompt(sim: RunningSim) -> str:
+    return get_encoding().decode(sim.requests[-1].input_ids)
+
+
+async def test_approved_calls_count_against_max_tool_calls(
+    tenant_a: openai.AsyncOpenAI, docs: RunningMcp, docs_calls: list[Any], sim: RunningSim
+) -> None:
+    """Two genuine approvals with `max_tool_calls: 1`: one runs, the other is refused as over the limit."""
+    ask = "[[two_calls]] search_docs for limited"
+    r1 = await ask_for_approval(tenant_a, docs, ask)
+    requests = approval_requests(r1)
+    assert len(requests) == 2
+    calls = len(docs_calls)
+    r2 = await tenant_a.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": ask}, *items(r1), *(approve(r.id) for r in requests)],
+        tools=[docs_tool(docs)],
+        max_tool_calls=1,
+        store=False,
+    )
+    assert len(docs_calls) == calls + 1
+    executed = [item for item in r2.output if item.type == "mcp_call"]
+    assert [call.approval_request_id for call in executed] == [requests[0].id]
+    assert "max_tool_calls" in last_prompt(sim)
+
+
+async def test_approved_calls_count_against_the_server_limit(
+    tenant_a: openai.AsyncOpenAI, docs: RunningMcp, docs_calls: list[Any]
+) -> None:
+    """Genuine approval ids collected from several responses, approved in one input: at most
+    `--max-tool-calls` of them run."""
+    asks = ["[[two_calls]] search_docs for first", "[[two_calls]] search_docs for second"]
+    history: list[dict[str, Any]] = []
+    requests: list[Any] = []
+    for ask in asks:
+        response = await ask_for_approval(tenant_a, docs, ask)
+        history += [{"role": "user", "content": ask}, *items(response)]
+        requests += approval_requests(response)
+    assert len(requests) == 4
+    calls = len(docs_calls)
+    r2 = await tenant_a.responses.create(
+        model=MODEL,
+        input=[*history, *(approve(r.id) for r in requests)],
+        tools=[docs_tool(docs)],
+        store=False,
+    )
+    assert len(docs_calls) == calls + SERVER_MAX_TOOL_CALLS
+    assert [item.type for item in r2.output].count("mcp_call") == SERVER_MAX_TOOL_CALLS

@@ -1,10 +1,11 @@
-"""The per-request tool set's bookkeeping: approval requests issued under the tenant's ids."""
+"""The per-request tool set's bookkeeping: one `max_tool_calls` count for the calls the model makes and
+the calls the user approved, and approval requests issued under the tenant's ids."""
 
 from __future__ import annotations
 
 from harmony_gateway.mcp.approval import ApprovalIds
 from harmony_gateway.mcp.client import McpTool
-from harmony_gateway.mcp.tool_loop import APPROVAL, BoundServer, ToolLoop
+from harmony_gateway.mcp.tool_loop import APPROVAL, EXECUTE, OVER_LIMIT, BoundServer, ToolLoop
 from harmony_gateway.pipeline.reasoning_store import ReasoningVault
 from harmony_gateway.storage.memory import MemoryStore
 
@@ -16,6 +17,15 @@ def tool_loop(max_calls: int, approval: str = "never") -> ToolLoop:
     tools = {"search": McpTool("search", "", {})}
     loop.servers["docs"] = BoundServer("docs", None, tools, approval, owned=False)  # type: ignore[arg-type]
     return loop
+
+
+def test_approved_calls_and_model_calls_share_the_limit() -> None:
+    loop = tool_loop(max_calls=2)
+    assert loop.take_call()  # a call the user approved
+    assert loop.decide("docs.search").kind == EXECUTE
+    assert not loop.take_call()
+    assert loop.decide("docs.search").kind == OVER_LIMIT
+    assert (loop.calls, loop.over_limit) == (2, 2)
 
 
 def test_approval_requests_are_issued_for_the_tenant_and_call() -> None:
