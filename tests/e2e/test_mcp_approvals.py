@@ -267,3 +267,25 @@ async def test_approved_calls_count_against_the_server_limit(
     )
     assert len(docs_calls) == calls + SERVER_MAX_TOOL_CALLS
     assert [item.type for item in r2.output].count("mcp_call") == SERVER_MAX_TOOL_CALLS
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("arguments", 5), ("arguments", {"query": "x"}), ("name", 7), ("server_label", None)],
+)
+async def test_a_malformed_approval_request_item_is_400(
+    tenant_a: openai.AsyncOpenAI, field: str, value: Any
+) -> None:
+    request = {
+        "type": "mcp_approval_request",
+        "id": "mcpr_1",
+        "server_label": "docs",
+        "name": "search_docs",
+        "arguments": "{}",
+        field: value,
+    }
+    with pytest.raises(openai.BadRequestError) as info:
+        await tenant_a.responses.create(
+            model=MODEL, input=[{"role": "user", "content": "hi"}, request], store=False
+        )
+    assert info.value.param == f"input[1].{field}"
