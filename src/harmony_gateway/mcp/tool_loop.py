@@ -6,7 +6,8 @@ tools, how the model sees them (Harmony namespaces), and how one call the model 
 (pooled connections for configured servers, fresh ones for request-declared servers) and lists tools, all
 before generation, so an unreachable server fails the request with an HTTP error. During generation the
 output builder asks `decide()` how each tool call is reported (executed, approval request, or over the
-`max_tool_calls` limit) and the pipeline awaits `execute()` for the calls that run. Tool errors and
+`max_tool_calls` limit) and the pipeline awaits `execute()` for the calls that run. Every call counts
+against the limit, those the model makes and those the user approved (`take_call()`). Tool errors and
 timeouts never raise: they become the call's `error` and the text the model reads. `aclose()` closes the
 request's own connections.
 """
@@ -22,7 +23,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..harmony.messages import FunctionTool, ToolNamespace
-from .approval import needs_approval, validate_policy
+from .approval import ApprovalIds, approval_request_item, needs_approval, validate_policy
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed
 from .config import ServerConfig
 from .security import check_server_url
@@ -239,10 +240,12 @@ class ToolLoop:
         max_calls: int,
         tool_timeout: float,
         max_output_chars: int,
+        approval_ids: ApprovalIds,
         metrics: Any = None,
     ) -> None:
         self.pool = pool
         self.max_calls = max_calls
+        self.approval_ids = approval_ids
         self.tool_timeout = tool_timeout
         self.max_output_chars = max_output_chars
         self.metrics = metrics
@@ -250,7 +253,7 @@ class ToolLoop:
         self.browser: BoundServer | None = None
         self.python: BoundServer | None = None
         self.python_tool = "python"
-        self.calls = 0  # calls decided EXECUTE so far (the limit counts them)
+        self.calls = 0  # calls run so far, approved ones included (the limit counts them)
         self.over_limit = 0  # calls refused for the limit
 
     # -- what the model sees -------------------------------------------------------------------
@@ -294,12 +297,24 @@ class ToolLoop:
             if tool is not None and needs_approval(server.approval, tool, decision.tool):
                 decision.kind = APPROVAL
                 return decision
-        if self.calls >= self.max_calls:
+        if not self.take_call():
             decision.kind = OVER_LIMIT
-            self.over_limit += 1
-            return decision
-        self.calls += 1
         return decision
+
+    def take_call(self) -> bool:
+        """Count one call about to run against `max_tool_calls`; False (and counted as refused) when the
+        limit is reached, so the call must not run."""
+        if self.calls >= self.max_calls:
+            self.over_limit += 1
+            return False
+        self.calls += 1
+        return True
+
+    def approval_request(self, decision: Decision, arguments: str) -> dict[str, Any]:
+        """The `mcp_approval_request` item for a call decided APPROVAL, its id issued for this tenant and
+        call (only such ids are accepted as answered later)."""
+        label = decision.server.label if decision.server is not None else ""
+        return approval_request_item(self.approval_ids, label, decision.tool, arguments)
 
     def limit_text(self) -> str:
         return (
@@ -388,6 +403,7 @@ async def open_tool_loop(
     max_calls: int,
     listed: dict[str, list[McpTool]],
     new_id: Any,
+    approval_ids: ApprovalIds,
     metrics: Any = None,
 ) -> ToolLoop:
     """Connect and list every server the request uses; raises InvalidRequest (bad or refused tools) or
@@ -400,6 +416,7 @@ async def open_tool_loop(
         max_calls=max_calls,
         tool_timeout=limits.tool_timeout,
         max_output_chars=limits.max_output_chars,
+        approval_ids=approval_ids,
         metrics=metrics,
     )
     config = pool.config

@@ -21,7 +21,8 @@ the vault was opened for (`reasoning_vault(state, owner)`), so one tenant's valu
 The key comes from `--reasoning-key-file`, HARMONY_GATEWAY_REASONING_KEY or `--reasoning-key` (any
 string, stretched with SHA-256); without one, 32 random bytes are generated once and kept in the storage
 (`add_value`, first writer wins), so restarts and replicas on the same storage share it. Encryption and
-signing keys are derived from it separately (HMAC-SHA256 with distinct labels).
+signing keys are derived from it separately (HMAC-SHA256 with distinct labels); `subkey` derives keys for
+other uses of the gateway key (MCP approval request ids) the same way.
 """
 
 from __future__ import annotations
@@ -70,8 +71,14 @@ class ReasoningVault:
     def __init__(self, key: bytes, store: Any, *, owner: str) -> None:
         self._aead = AESGCM(hmac.new(key, b"encrypt", hashlib.sha256).digest())
         self._mac_key = hmac.new(key, b"sign", hashlib.sha256).digest()
+        self._key = key
         self._store = store
         self._owner = owner
+
+    def subkey(self, purpose: bytes) -> bytes:
+        """A key for another use of the gateway key, independent of the reasoning keys: HMAC-SHA256 of
+        `purpose` (a label no other use shares) under the gateway key."""
+        return hmac.new(self._key, purpose, hashlib.sha256).digest()
 
     # -- encrypted_content ------------------------------------------------------------------------
     def seal(self, text: str) -> str:

@@ -32,7 +32,13 @@ from ..harmony.messages import (
     parse_reasoning_effort,
     tool_result,
 )
-from ..mcp.approval import ApprovalDecision, match_approvals
+from ..mcp.approval import (
+    APPROVAL_KEY_PURPOSE,
+    ApprovalDecision,
+    ApprovalIds,
+    answers_approvals,
+    match_approvals,
+)
 from ..mcp.client import McpTool
 from ..mcp.tool_loop import (
     GATEWAY_TOOL_TYPES,
@@ -59,7 +65,7 @@ from .prepare import (
     sampling_options,
     utc_date,
 )
-from .reasoning_store import vault_for, wants_encrypted_reasoning
+from .reasoning_store import reasoning_vault, vault_for, wants_encrypted_reasoning
 from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .responses_output import ResponseBuilder
 from .text_upstream import require_token_engine
@@ -164,6 +170,12 @@ class ResponsePlan:
         if self.tools is not None:
             tools, self.tools = self.tools, None
             await tools.aclose()
+
+
+async def approval_ids_of(state: GatewayState, owner: str) -> ApprovalIds:
+    """The tenant's approval request ids, under a key derived from the gateway key (shared by replicas)."""
+    vault = await reasoning_vault(state, owner)
+    return ApprovalIds(vault.subkey(APPROVAL_KEY_PURPOSE), owner)
 
 
 async def conversation_started(store: Any, conversation_id: str, owner: str) -> str | None:
@@ -381,7 +393,8 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         history.extend(
             items_to_messages(conversation_items, call_names, param="conversation", mcp_replay=McpReplay())
         )
-    decisions = match_approvals(items, known_items)
+    approval_ids = await approval_ids_of(state, ctx.owner) if requested or answers_approvals(items) else None
+    decisions = match_approvals(items, known_items, approval_ids) if approval_ids is not None else []
     approvals = []
     placeholders: dict[str, Msg] = {}
     for decision in decisions:
@@ -403,7 +416,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
 
     loop: ToolLoop | None = None
-    if requested or decisions:
+    if approval_ids is not None and (requested or decisions):
         max_calls = state.settings.max_tool_calls
         if req.max_tool_calls is not None:
             max_calls = min(max_calls, req.max_tool_calls)
@@ -413,6 +426,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             max_calls=max_calls,
             listed=listed_tools(known_items),
             new_id=new_id,
+            approval_ids=approval_ids,
             metrics=state.metrics,
         )
     try:

@@ -134,6 +134,13 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
             item["call_id"] = call_id
             if not isinstance(item.get("output"), (str, list)):
                 raise InvalidRequest(f"{kind} 'output' must be a string or parts", param=f"{where}.output")
+        elif kind == "mcp_approval_request":
+            # The call it asks about is replayed as a message and checked against its id: text only.
+            for key in ("server_label", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise InvalidRequest(
+                        f"mcp_approval_request items need a string {key!r}", param=f"{where}.{key}"
+                    )
         elif kind == "mcp_approval_response":
             if not isinstance(item.get("approval_request_id"), str):
                 raise InvalidRequest(

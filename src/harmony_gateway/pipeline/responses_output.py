@@ -487,11 +487,7 @@ class ResponseBuilder:
             self._slots.pop(key, None)
             return
         if decision.kind == "approval":
-            from ..mcp.approval import approval_request_item
-            from .responses_input import new_id as mint
-
-            server = decision.server.label if decision.server else ""
-            slot.item = approval_request_item(mint("mcpr"), server, decision.tool, msg.text)
+            slot.item = self.tools.approval_request(decision, msg.text)
             slot.index = self.add_item(slot.item)
             self._slots.pop(key, None)
             return

@@ -37,7 +37,8 @@ CLOSE_TIMEOUT = 5.0
 
 async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> None:
     """Before the first generation: report the tool listings, run the calls this input approves (or tell
-    the model they were declined), and render the prompt."""
+    the model they were declined), and render the prompt. Approved calls count against `max_tool_calls`:
+    past the limit they do not run and the model reads the limit's message, as for its own calls."""
     loop = plan.tools
     if loop is not None:
         for item in loop.list_items():
@@ -48,17 +49,18 @@ async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilde
         request = decision.request
         recipient = f"{request.get('server_label')}.{request.get('name')}"
         arguments = str(request.get("arguments") or "")
-        if decision.approve and loop is not None:
+        if not decision.approve or loop is None:
+            text = declined_text(decision.reason)
+        elif not loop.take_call():
+            text = loop.limit_text()
+        else:
             call = loop.resolve(recipient)
-            loop.calls += 1
             slot = builder.open_approved_call(
                 str(request.get("server_label")), str(request.get("name")), arguments, decision.request_id
             )
             outcome = await loop.execute(call, arguments)
             builder.complete_tool(slot, outcome.output, outcome.error)
             text = outcome.model_text
-        else:
-            text = declined_text(decision.reason)
         filled = placeholder._replace(text=text)
         plan.turn_messages = [filled if m is placeholder else m for m in plan.turn_messages]
     await render_turn(state, plan)
