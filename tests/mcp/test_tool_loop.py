@@ -45,6 +45,6 @@ def test_approval_requests_are_issued_for_the_tenant_and_call() -> None:
 
 def test_replicas_with_one_gateway_key_derive_one_approval_key() -> None:
     key = b"g" * 32
-    one, other = ReasoningVault(key, MemoryStore()), ReasoningVault(key, MemoryStore())
+    one, other = ReasoningVault(key, MemoryStore(), owner="a"), ReasoningVault(key, MemoryStore(), owner="b")
     assert one.subkey(b"mcp") == other.subkey(b"mcp") != one.subkey(b"other")
-    assert one.subkey(b"mcp") != ReasoningVault(b"h" * 32, MemoryStore()).subkey(b"mcp")
+    assert one.subkey(b"mcp") != ReasoningVault(b"h" * 32, MemoryStore(), owner="a").subkey(b"mcp")
