@@ -8,6 +8,7 @@ import functools
 from typing import Any
 
 import pytest
+import quicktok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_harmony import (
@@ -25,7 +26,15 @@ from openai_harmony import (
 from harmony_gateway.app import build_state
 from harmony_gateway.engines.base import ModelInfo
 from harmony_gateway.errors import InvalidRequest
-from harmony_gateway.harmony.encoding import CALL, RETURN, PromptRenderer, get_encoding, render_reference
+from harmony_gateway.harmony.encoding import (
+    CALL,
+    ENCODE_PIECE_CHARS,
+    RETURN,
+    PromptRenderer,
+    get_encoding,
+    render_reference,
+    text_pieces,
+)
 from harmony_gateway.harmony.messages import (
     FunctionTool,
     Msg,
@@ -645,3 +654,35 @@ def test_drop_rule_takes_builtin_tool_results_with_their_analysis_calls() -> Non
     assert kept == [history[0], history[4], history[5]]
     prefix = PromptPrefix(SystemOptions(conversation_start_date=TEST_DATE))
     assert _renderer.render_for_completion(prefix, kept) == render_reference([*prefix.messages(), *history])
+
+
+_piece_texts = st.lists(
+    st.one_of(
+        st.text(max_size=8),
+        st.sampled_from([*_TRICKY, " ", "  ", "a ", " a", ". ", ".\n", "'s ", "\u00a0", "\u3000", "\x1c "]),
+    ),
+    max_size=30,
+).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=_piece_texts, size=st.integers(min_value=0, max_value=12))
+def test_text_encoded_in_pieces_equals_the_whole_text_encoded(text: str, size: int) -> None:
+    """Long texts are encoded piece by piece so the BPE never holds the GIL for long: cutting where
+    `text_pieces` cuts must never change a token, with either encoder."""
+    pieces = text_pieces(text, size)
+    assert "".join(pieces) == text
+    quick = quicktok.get_encoding("o200k_base").encode_ordinary
+    assert [t for piece in pieces for t in quick(piece)] == quick(text)
+    harmony = get_encoding()
+    whole = harmony.encode(text, allowed_special=set(), disallowed_special=())
+    assert [
+        t for p in pieces for t in harmony.encode(p, allowed_special=set(), disallowed_special=())
+    ] == whole
+
+
+def test_a_long_text_renders_as_openai_harmony_renders_it() -> None:
+    text = ("Hello world, it's a test.\n\n  Spaces   and\ttabs 你好 123456 " * 2000)[: ENCODE_PIECE_CHARS * 5]
+    msg = Msg("user", text)
+    assert len(text_pieces(text, ENCODE_PIECE_CHARS)) >= 4
+    assert _renderer.render_message(msg) == get_encoding().render(msg.to_harmony())

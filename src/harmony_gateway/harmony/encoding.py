@@ -171,9 +171,19 @@ class PromptRenderer:
 
     def _encode_text(self, text: str) -> list[int]:
         if text.isascii() or _NEWER_UNICODE.search(text) is None:
-            return self._quicktok(text)
-        # quicktok's tables know characters added in Unicode 17 that openai-harmony's pre-tokenizer does
-        # not, and split text around them differently: such text takes openai-harmony's own encoder.
+            encode = self._quicktok
+        else:
+            # quicktok's tables know characters added in Unicode 17 that openai-harmony's pre-tokenizer
+            # does not, and split text around them differently: such text takes openai-harmony's encoder.
+            encode = self._encode_with_harmony
+        if len(text) <= ENCODE_PIECE_CHARS:
+            return encode(text)
+        tokens: list[int] = []
+        for piece in text_pieces(text, ENCODE_PIECE_CHARS):
+            tokens += encode(piece)
+        return tokens
+
+    def _encode_with_harmony(self, text: str) -> list[int]:
         return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def encode_text(self, text: str) -> list[int]:
@@ -219,6 +229,31 @@ _NEWER_UNICODE = re.compile(
     )
     + "]"
 )
+
+
+#: Longer texts are encoded piece by piece (`text_pieces`): the BPE holds the GIL for a whole call, and a
+#: piece this long takes about a millisecond, so a thread rendering an 8 MiB prompt leaves the event loop
+#: the GIL between pieces instead of for a third of a second.
+ENCODE_PIECE_CHARS = 16_384
+#: A space right after a non-space: the o200k pre-tokenizer always ends a piece there (no pattern runs
+#: from a non-space across a space, and none looks behind), so encoding the text on either side of it
+#: apart gives exactly the whole text's tokens (tests/harmony/test_render.py proves it by property).
+_PIECE_BOUNDARY = re.compile(r"(?<=\S) ")
+
+
+def text_pieces(text: str, size: int) -> list[str]:
+    """`text` cut at pre-tokenizer boundaries into pieces of about `size` characters (longer where no
+    boundary is near: a run without one is never cut)."""
+    pieces = []
+    start = 0
+    while len(text) - start > size:
+        boundary = _PIECE_BOUNDARY.search(text, start + size)
+        if boundary is None:
+            break
+        pieces.append(text[start : boundary.start()])
+        start = boundary.start()
+    pieces.append(text[start:])
+    return pieces
 
 
 def _find_sublist(haystack: list[int], needle: list[int]) -> int:
