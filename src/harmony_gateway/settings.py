@@ -143,6 +143,10 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    #: Peers (IPs, CIDRs, or "*") whose `X-Forwarded-For` / `X-Forwarded-Proto` are believed: the client
+    #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
+    #: default would trust 127.0.0.1, so any local client could pick its address).
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""
