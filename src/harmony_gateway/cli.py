@@ -535,7 +535,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="T",
-        help="prompt + completion tokens per minute per API key (or client address)",
+        help="prompt + completion tokens per minute per API key (or client address); a generation "
+        "reserves its estimated prompt plus max_tokens (or 1024) at admission, settled when it ends",
     )
     p.add_argument(
         "--rate-limit-store",

@@ -15,6 +15,7 @@ from harmony_gateway.settings import Settings
 from harmony_gateway.traffic.routes import (
     GENERATION,
     READ,
+    RELEASE,
     ROUTE_COSTS,
     TOKENIZING,
     UNCONTROLLED,
@@ -67,6 +68,8 @@ def test_route_weights() -> None:
     assert route_cost("POST", "/v1/messages/count_tokens") is TOKENIZING
     assert route_cost("POST", "/v1/conversations/conv_1/items") is WRITE
     assert route_cost("GET", "/v1/responses/resp_1") is READ
+    assert route_cost("DELETE", "/v1/conversations/conv_1") is RELEASE
+    assert route_cost("POST", "/v1/responses/resp_1/cancel") is RELEASE and not RELEASE.admission
     assert route_cost("HEAD", "/v1/models") is READ
     assert route_cost("GET", "/playground/static/app.js") is None
     # Heavier with a bigger input.

@@ -278,8 +278,10 @@ class TrafficControl:
     def _refusal(self, kind: str, limit: int, state: BucketState, needed: float) -> RateLimited:
         if self.metrics is not None:
             self.metrics.rate_limited.labels(limit=kind).inc()
+        wanted = f"Requested {needed:g}, available {state.remaining}. " if kind == "tokens" else ""
         return RateLimited(
-            f"Rate limit reached: {limit} {kind} per minute. Retry after {state.retry_after(needed):.0f}s.",
+            f"Rate limit reached: {limit} {kind} per minute. {wanted}"
+            f"Retry after {state.retry_after(needed):.0f}s.",
             retry_after=state.retry_after(needed),
         )
 
@@ -428,7 +430,7 @@ class TrafficMiddleware:
                 return
         ticket = Ticket(control, None, identity, policy, scope.setdefault("state", {}), reserved)
         try:
-            await self._run_admitted(scope, receive, watch, path, identity, policy, request_id, cost, ticket)
+            await self._run_admitted(scope, receive, watch, path, request_id, cost, ticket)
         finally:
             if not ticket.detached:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -440,20 +442,19 @@ class TrafficMiddleware:
         receive: Receive,
         watch: _ResponseWatch,
         path: str,
-        identity: str | None,
-        policy: KeyPolicy | None,
         request_id: str,
         cost: RouteCost,
         ticket: Ticket,
     ) -> None:
+        """Admission (when the route takes a slot), then the app, with `ticket` current."""
         control = self.control
         slot: Slot | None = None
         # An unknown key takes no place: the route answers 401 at once.
-        if cost.admission and control.admission is not None and identity is not None:
+        if cost.admission and control.admission is not None and ticket.identity is not None:
             try:
                 with tracing.span("gateway.admission"):
                     slot, receive = await _acquire_watching(
-                        control.admission, control.priority(policy), receive
+                        control.admission, control.priority(ticket.policy), receive
                     )
             except RateLimited as refusal:
                 await _send_error(watch, path, refusal, request_id, [])

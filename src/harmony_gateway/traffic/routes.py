@@ -5,7 +5,8 @@ A route's `RouteCost` says how many units of the request budget a call takes (re
 one, tokenizing routes one plus their body's size), whether it takes an admission slot while it runs,
 and whether it reserves tokens from the token budget (the generating routes: their estimated prompt and
 output tokens, settled to the real count when they end). A route added to the app is controlled as a
-read or a write by its method until it is given its own row: nothing is left out by forgetting.
+read, a removal or a write by its method until it is given its own row: nothing is left out by
+forgetting.
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ TOKENIZING = RouteCost(per_mib=16.0)
 WRITE = RouteCost(per_mib=4.0)
 #: Reads stored state: cheap, never queued behind generations.
 READ = RouteCost(requests=0.1, admission=False)
+#: Deletes or cancels: frees what others wait for, so it never waits in the admission queue itself.
+RELEASE = RouteCost(admission=False)
 
-#: Routes with a cost of their own; every other route is a READ (GET, HEAD) or a WRITE.
+#: Routes with a cost of their own (method, path template as registered with the app); every other
+#: route is a READ (GET, HEAD), a RELEASE (DELETE) or a WRITE.
 ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
     ("POST", "/v1/chat/completions"): GENERATION,
     ("POST", "/v1/completions"): GENERATION,
@@ -51,6 +55,7 @@ ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
     ("POST", "/v1/harmony/render"): TOKENIZING,
     ("POST", "/v1/harmony/parse"): TOKENIZING,
     ("POST", "/v1/messages/count_tokens"): TOKENIZING,
+    ("POST", "/v1/responses/{response_id}/cancel"): RELEASE,
 }
 
 #: Outside traffic control, reviewed: probes that orchestrators and scrapers call on a schedule (they
@@ -70,24 +75,23 @@ UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
 #: The routes that run generations (their POST endpoints are called directly: api/direct_routes.py).
 GENERATING_PATHS = frozenset(path for (method, path), cost in ROUTE_COSTS.items() if cost is GENERATION)
 
-_UNCONTROLLED_PATTERNS = tuple(
-    (method, compile_path(template)[0]) for method, template in sorted(UNCONTROLLED)
+_ROWS: dict[tuple[str, str], RouteCost | None] = {**ROUTE_COSTS, **dict.fromkeys(UNCONTROLLED)}
+#: Literal paths are looked up at once (the generating routes among them); templates are matched.
+_LITERAL = {row: cost for row, cost in _ROWS.items() if "{" not in row[1]}
+_TEMPLATES = tuple(
+    (method, compile_path(template)[0], cost) for (method, template), cost in _ROWS.items() if "{" in template
 )
-
-
-def _uncontrolled(method: str, path: str) -> bool:
-    return any(method == m and pattern.match(path) for m, pattern in _UNCONTROLLED_PATTERNS)
 
 
 def route_cost(method: str, path: str) -> RouteCost | None:
     """The cost of `method path` (a concrete path); None for the routes in `UNCONTROLLED`."""
     method = "GET" if method == "HEAD" else method
-    cost = ROUTE_COSTS.get((method, path))
-    if cost is not None:
-        return cost
-    if _uncontrolled(method, path):
-        return None
-    return READ if method == "GET" else WRITE
+    if (method, path) in _LITERAL:
+        return _LITERAL[(method, path)]
+    for row_method, pattern, cost in _TEMPLATES:
+        if row_method == method and pattern.match(path):
+            return cost
+    return READ if method == "GET" else RELEASE if method == "DELETE" else WRITE
 
 
 # -- token reservations ---------------------------------------------------------------------------------
@@ -130,6 +134,7 @@ __all__ = [
     "GENERATING_PATHS",
     "GENERATION",
     "READ",
+    "RELEASE",
     "ROUTE_COSTS",
     "TOKENIZING",
     "UNCONTROLLED",
