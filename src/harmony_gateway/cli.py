@@ -507,7 +507,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="generation requests at the engines at once, for the whole gateway (default: no cap)",
+        help="requests running at once, for the whole gateway: generations, render, parse, token "
+        "counting and writes (reads, cancels and deletes take no slot; default: no cap)",
     )
     p.add_argument(
         "--queue-size",
@@ -528,7 +529,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="requests per minute per API key (per client address when no keys are configured)",
+        help="requests per minute per API key (per client address when no keys are configured); reads "
+        "count a tenth, render/parse/count_tokens and writes more with a bigger body",
     )
     p.add_argument(
         "--token-rate-limit",

@@ -148,3 +148,20 @@ async def test_debt_persists_in_redis_until_refilled_with_a_fast_window(
             assert state.level < 10
     finally:
         await buckets.close()
+
+
+async def test_local_bucket_keeps_a_debt_until_refilled(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(rate_limit.time, "monotonic", lambda: now[0])
+    buckets = rate_limit.LocalBuckets()
+    assert (await buckets.run("k", 60, "take", 60)).allowed
+    assert (await buckets.run("k", 60, "charge", 240)).level == -240  # 300 s to refill
+    now[0] += 200
+    buckets.sweep(now[0])
+    assert len(buckets) == 1 and (await buckets.run("k", 60, "peek")).level == pytest.approx(-40)
+    assert not (await buckets.run("k", 60, "take", 1)).allowed
+    now[0] += 101
+    buckets.sweep(now[0])
+    assert len(buckets) == 0
+    # A settlement gives back at most up to the limit.
+    assert (await buckets.run("k", 60, "charge", -500)).level == 60
