@@ -254,7 +254,7 @@ class TrafficControl:
         """Take `weight` from the key's request budget and reserve `tokens` (None: only read the token
         budget) from its token budget: the headers to send, the refusal when either does not fit, and
         the tokens reserved. A reservation is at most the whole budget: a request estimated above it
-        waits for a full bucket and leaves it in debt."""
+        is admitted only on a full bucket, and its settlement leaves the bucket in debt."""
         headers: list[tuple[bytes, bytes]] = []
         refusal: RateLimited | None = None
         reserved = 0
