@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import socket
@@ -155,6 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         max_connections=args.max_connections,
+        forwarded_allow_ips=tuple(_split_list(args.forwarded_allow_ips)),
         max_retries=args.max_retries,
         max_batch_size=args.max_batch_size,
         batch_concurrency=args.batch_concurrency,
@@ -244,6 +246,12 @@ def invalid_setting(settings: Settings) -> str | None:
         return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
     if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):
         return "--rate-limit-store expects redis://host:port/db"
+    for peer in settings.forwarded_allow_ips:
+        if peer != "*":
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                return f"--forwarded-allow-ips expects IPs, CIDRs or '*', got {peer!r}"
     if settings.protect_metrics and not settings.admin_keys and settings.admin_port is None:
         return "--protect-metrics needs the admin credential: pass --admin-key KEY or --admin-port PORT"
     return None
@@ -532,7 +540,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="generation requests at the engines at once, for the whole gateway (default: no cap)",
+        help="requests running at once, for the whole gateway: generations, render, parse, token "
+        "counting and writes (reads, cancels and deletes take no slot; default: no cap)",
     )
     p.add_argument(
         "--queue-size",
@@ -553,14 +562,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="requests per minute per API key (per client address when no keys are configured)",
+        help="requests per minute per API key (per client address when no keys are configured); reads "
+        "count a tenth, render/parse/count_tokens and writes more with a bigger body",
     )
     p.add_argument(
         "--token-rate-limit",
         type=int,
         default=None,
         metavar="T",
-        help="prompt + completion tokens per minute per API key (or client address)",
+        help="prompt + completion tokens per minute per API key (or client address); a generation "
+        "reserves its estimated prompt plus max_tokens (or 1024) at admission, settled when it ends",
     )
     p.add_argument(
         "--rate-limit-store",
@@ -647,6 +658,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="open connections above which new requests get 503 (default: no cap but the open-file "
         "limit, which start-up raises to its hard maximum)",
+    )
+    limits.add_argument(
+        "--forwarded-allow-ips",
+        action="append",
+        metavar="IPS",
+        help="comma-separated IPs or CIDRs of proxies whose X-Forwarded-For/-Proto are trusted for the "
+        "client address ('*': every peer; repeatable); default: none, the peer's own address counts",
     )
 
 

@@ -118,12 +118,13 @@ class Settings:
     #: then pass-through.
     text_parser_window_chars: int = 256
     text_parser_window_seconds: float | None = None
-    #: Admission (`traffic.admission`): generation requests at the engines at once (None: no cap), how
-    #: many more may wait, and for how long.
+    #: Admission (`traffic.admission`): requests running at once (generations, and the routes whose
+    #: `traffic.routes.RouteCost` takes a slot; None: no cap), how many more may wait, and for how long.
     max_concurrent_requests: int | None = None
     queue_size: int = 64
     queue_timeout: float = 30.0
-    #: Per-key (or per-address) budgets per minute (`traffic.rate_limit`); None: unlimited.
+    #: Per-key (or per-address) budgets per minute (`traffic.rate_limit`); None: unlimited. Requests are
+    #: weighed per route (`traffic.routes`); generations reserve their estimated tokens at admission.
     rate_limit: int | None = None
     token_rate_limit: int | None = None
     #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
@@ -146,6 +147,10 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    #: Peers (IPs, CIDRs, or "*") whose `X-Forwarded-For` / `X-Forwarded-Proto` are believed: the client
+    #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
+    #: default would trust 127.0.0.1, so any local client could pick its address).
+    forwarded_allow_ips: tuple[str, ...] = ()
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""

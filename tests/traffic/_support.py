@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
+import redis.asyncio as redis
 
 from harmony_gateway.sim import SimConfig, start_sim_engine
 from tests.conftest import MODEL
@@ -41,3 +44,37 @@ async def until(predicate: Any, timeout: float = 15.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+#: A Redis database of these tests' own; every key they write is removed afterwards.
+REDIS_HOST = os.environ.get("GATEWAY_TEST_REDIS_HOST", "127.0.0.1")
+REDIS_PORT = int(os.environ.get("GATEWAY_TEST_REDIS_PORT", "6379"))
+REDIS_DB = 11
+REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
+
+
+@pytest.fixture
+async def require_redis() -> None:
+    """Redis must answer; without it these tests skip locally and fail in CI (as PostgreSQL's do)."""
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=3)
+    try:
+        await client.ping()
+    except (OSError, redis.RedisError) as exc:
+        message = f"Redis at {REDIS_URL} is not reachable ({exc})"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def redis_keys():  # type: ignore[no-untyped-def]
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        yield client
+    finally:
+        keys = [k async for k in client.scan_iter("harmony-gateway:rl:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()

@@ -118,5 +118,6 @@ def admin_server(app: Any, host: str, port: int, log_level: str = "info") -> uvi
         access_log=False,
         lifespan="off",
         log_config=None,
+        proxy_headers=False,  # the admin plane believes no forwarded client address
     )
     return _AdminServer(config)

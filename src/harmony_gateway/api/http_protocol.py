@@ -138,6 +138,9 @@ def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
         "ws": "none",  # no WebSocket routes: uvicorn then never imports a WebSocket library
         "timeout_keep_alive": settings.keep_alive_timeout,
         "limit_concurrency": settings.max_connections,
+        # Forwarded headers only from the configured proxies; uvicorn would trust 127.0.0.1 by default.
+        "proxy_headers": bool(settings.forwarded_allow_ips),
+        "forwarded_allow_ips": list(settings.forwarded_allow_ips) or None,
     }
 
 

@@ -14,6 +14,11 @@ URLs, availability and in-flight counts depend on every tenant's traffic and are
 (`GET /workers`): they are added (`worker`, and `worker` and `workers` per pool) only with `fleet=True`,
 which the route sets for a request holding the admin credential.
 
+The inspector never connects to an MCP server a request names (`server_url`): rendering is cheap and
+open to every tenant, and a connection per render would make it a relay to any host. Such a tool is
+refused with a 400; servers configured on the gateway (`server_label` alone) render from the gateway's
+own pooled connections, as a real request would.
+
 `parse_output` feeds model output to the gateway's own parsers: token ids to `HarmonyOutputParser`, text
 with Harmony markers spelled out to the same parser after encoding them, text without markers (an HTTP
 upstream that stripped them) to `HarmonyTextParser`.
@@ -75,9 +80,23 @@ async def render_request(
         group = resolve_group(state, message_request.model)
         prepared = (await prepare_messages(state, message_request, group, owner=ctx.owner)).prepared
     else:
+        refuse_request_mcp_servers(request)
         prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
     ctx.model = prepared.group.name
     return describe(state, prepared, ctx, api, notes, fleet=fleet)
+
+
+def refuse_request_mcp_servers(request: dict[str, Any]) -> None:
+    """Raises InvalidRequest naming the first MCP tool that gives a `server_url`: the inspector does not
+    connect to servers a request names."""
+    tools = request.get("tools")
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") == "mcp" and tool.get("server_url") is not None:
+            raise InvalidRequest(
+                "the inspector does not connect to MCP servers named in a request; render without this "
+                "tool, or with a server configured on the gateway (server_label alone)",
+                param=f"request.tools[{index}].server_url",
+            )
 
 
 async def _prepare_responses(
@@ -432,7 +451,7 @@ def _parse_stripped(text: str) -> dict[str, Any]:
 async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
     """`render_request` without a running gateway or engine: the request's model is taken as a Harmony
     model with no workers (routing names none) and an unknown context length; stored responses and
-    conversations are not available. MCP servers named in `tools` are contacted to list their tools."""
+    conversations are not available. MCP tools naming a `server_url` are refused, as by the route."""
     from ..app import build_state
     from ..engines.base import ModelInfo
     from ..mcp.pool import open_mcp_pool

@@ -1,4 +1,5 @@
-"""Admission: at most `limit` generation requests at the engines at once, `queue_size` more waiting.
+"""Admission: at most `limit` requests running at once (generations, and every route whose
+`traffic.routes.RouteCost` takes a slot), `queue_size` more waiting.
 
 Waiters are admitted by priority (higher first), FIFO within a priority. A waiter gains one priority
 level per `aging` seconds it has waited, so a busy high-priority class delays a low one but never

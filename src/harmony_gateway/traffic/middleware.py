@@ -2,16 +2,19 @@
 
 Per request, in order:
 1. the request's trace span (continuing the client's `traceparent`);
-2. while draining: `/readiness` and every new `/v1` or `/generate` request answer 503 with `retry-after`;
-3. the key's (or address's) request and token budgets: generating routes take a request and need a
-   positive token balance, other routes only read them; every response carries `x-ratelimit-*`, a
-   refusal is a 429 `rate_limit_exceeded` with `retry-after`;
-4. admission for generating routes: a slot at once, a place in the queue, or a 429 (`queue_full`,
+2. routes in `traffic.routes.UNCONTROLLED` (probes, the playground's static files) go straight to the
+   app; every other route is controlled, at the cost `traffic.routes.route_cost` gives it;
+3. while draining: `/readiness` and every controlled request answer 503 with `retry-after`;
+4. the key's (or address's) budgets: the route's weight is taken from the request budget; a generating
+   route reserves its estimated tokens (`traffic.routes.estimate_tokens`, from its body, which is read
+   here and replayed to the app) from the token budget, other routes only read it; every response
+   carries `x-ratelimit-*`, a refusal is a 429 `rate_limit_exceeded` with `retry-after`;
+5. admission for routes that take a slot: a slot at once, a place in the queue, or a 429 (`queue_full`,
    later `queue_timeout`) with `retry-after`; a client that
    leaves while queued gives its place up at once (its disconnect is watched while it waits);
-5. the app; the prompt's tokens (from the request's `RequestContext`) are charged as the response
-   starts; the slot is released when its last byte is sent or the client leaves, and the completion
-   tokens are charged then.
+6. the app; as the response starts, tokens used beyond the reservation (from the request's
+   `RequestContext`) are charged; the slot is released when its last byte is sent or the client
+   leaves, and the reservation is settled to the real count then (what was not used is given back).
 A background response takes over its request's `Ticket` (`current_ticket`), holding the slot and
 charging its tokens when it ends.
 """
@@ -28,9 +31,11 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import orjson
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..api.routes import LOOP_BODY_BYTES
 from ..api.wire_errors import error_body, terminal_frame
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
@@ -39,14 +44,10 @@ from ..settings import Settings
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
+from .routes import GENERATING_PATHS, RouteCost, estimate_tokens, route_cost
 
 log = logging.getLogger(__name__)
 
-#: The routes that run generations: admission and request budgets apply to these.
-GENERATING_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/generate"}
-)
-_PROBES = frozenset({"/health", "/readiness", "/metrics"})
 
 #: The request's ticket, for a background response to take over (`BackgroundRunner.start`).
 current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("traffic_ticket", default=None)
@@ -101,8 +102,9 @@ _CHARGING: set[asyncio.Task[None]] = set()
 class Ticket:
     """One admitted request: its slot and the budgets its tokens are charged to, settled once.
 
-    The prompt's tokens are charged as the response starts (the prompt is known by then), the rest
-    when the request ends."""
+    `reserved` tokens were taken at admission; what the request uses beyond them is charged as the
+    response starts (the prompt is known by then), and when it ends the charge is settled to the real
+    count (a request that used less gets the rest back)."""
 
     __slots__ = (
         "_control",
@@ -122,6 +124,7 @@ class Ticket:
         identity: str | None,
         policy: KeyPolicy | None,
         scope_state: dict[str, Any],
+        reserved: int = 0,
     ) -> None:
         self._control = control
         self.slot = slot
@@ -130,20 +133,22 @@ class Ticket:
         self.scope_state = scope_state
         self.detached = False
         self.settled = False
-        #: Tokens charged so far.
-        self.charged = 0
+        #: Tokens taken from the budget so far, the reservation included.
+        self.charged = reserved
 
     def detach(self) -> None:
         """A background task now owns this ticket and settles it when it ends."""
         self.detached = True
 
     def _owed(self) -> tuple[int, int]:
-        """(token limit, tokens used but not charged yet)."""
-        ctx = self.scope_state.get("request_context")
+        """(token limit, tokens used minus tokens charged): negative while the reservation covers
+        more than the request used."""
         limit = self._control.token_limit(self.policy)
-        if ctx is None or not limit or self.identity is None:
+        if not limit or self.identity is None:
             return 0, 0
-        return limit, ctx.prompt_tokens + ctx.completion_tokens - self.charged
+        ctx = self.scope_state.get("request_context")
+        used = ctx.prompt_tokens + ctx.completion_tokens if ctx is not None else 0
+        return limit, used - self.charged
 
     def charge_started(self) -> None:
         """The response is starting: charge what the request used so far (its prompt), off the send path."""
@@ -164,7 +169,7 @@ class Ticket:
         if self.slot is not None:
             self.slot.release()
         limit, owed = self._owed()
-        if owed > 0:
+        if owed:  # negative: the unused part of the reservation goes back
             self.charged += owed
             await self._charge(limit, owed)
 
@@ -243,31 +248,39 @@ class TrafficControl:
         return policy.priority if policy is not None and policy.priority is not None else 0
 
     async def check_budgets(
-        self, identity: str, policy: KeyPolicy | None, generating: bool
-    ) -> tuple[list[tuple[bytes, bytes]], RateLimited | None]:
-        """Take (generating) or read the key's budgets: the headers to send, and the refusal when a
-        budget is spent."""
+        self, identity: str, policy: KeyPolicy | None, weight: float, tokens: int | None
+    ) -> tuple[list[tuple[bytes, bytes]], RateLimited | None, int]:
+        """Take `weight` from the key's request budget and reserve `tokens` (None: only read the token
+        budget) from its token budget: the headers to send, the refusal when either does not fit, and
+        the tokens reserved. A reservation is at most the whole budget: a request estimated above it
+        is admitted only on a full bucket, and its settlement leaves the bucket in debt."""
         headers: list[tuple[bytes, bytes]] = []
         refusal: RateLimited | None = None
+        reserved = 0
         limit = self.request_limit(policy)
         if limit:
-            state = await self.buckets.run(f"{identity}:requests", limit, "take" if generating else "peek", 1)
+            state = await self.buckets.run(f"{identity}:requests", limit, "take", weight)
             headers += headers_for("requests", state)
             if not state.allowed:
-                refusal = self._refusal("requests", limit, state, 1.0)
+                refusal = self._refusal("requests", limit, state, weight)
         limit = self.token_limit(policy)
         if limit:
-            state = await self.buckets.run(f"{identity}:tokens", limit, "check" if generating else "peek")
+            wanted = min(tokens, limit) if tokens is not None and refusal is None else 0
+            state = await self.buckets.run(f"{identity}:tokens", limit, "take" if wanted else "peek", wanted)
             headers += headers_for("tokens", state)
-            if not state.allowed and refusal is None:
-                refusal = self._refusal("tokens", limit, state, 1.0)
-        return headers, refusal
+            if not state.allowed:
+                refusal = self._refusal("tokens", limit, state, wanted)
+            else:
+                reserved = wanted
+        return headers, refusal, reserved
 
     def _refusal(self, kind: str, limit: int, state: BucketState, needed: float) -> RateLimited:
         if self.metrics is not None:
             self.metrics.rate_limited.labels(limit=kind).inc()
+        wanted = f"Requested {needed:g}, available {state.remaining}. " if kind == "tokens" else ""
         return RateLimited(
-            f"Rate limit reached: {limit} {kind} per minute. Retry after {state.retry_after(needed):.0f}s.",
+            f"Rate limit reached: {limit} {kind} per minute. {wanted}"
+            f"Retry after {state.retry_after(needed):.0f}s.",
             retry_after=state.retry_after(needed),
         )
 
@@ -356,7 +369,8 @@ class TrafficMiddleware:
     ) -> None:
         control = self.control
         request_id = scope.get("state", {}).get("request_id") or ""
-        if path in _PROBES:
+        cost = route_cost(scope["method"], path)
+        if cost is None:
             if path == "/readiness" and control.draining:
                 status[0] = 503
                 exc = Overloaded("the gateway is shutting down", code="shutting_down")
@@ -378,7 +392,7 @@ class TrafficMiddleware:
         control._enter(cancel_scope)
         try:
             with cancel_scope:
-                await self._admit_and_run(scope, receive, watch, path, headers, request_id)
+                await self._admit_and_run(scope, receive, watch, path, headers, request_id, cost)
             if cancel_scope.cancelled_caught:
                 # End the request in its route's own error shape (a stream gets a terminal event).
                 await watch.cut(
@@ -395,38 +409,64 @@ class TrafficMiddleware:
         path: str,
         headers: Headers,
         request_id: str,
+        cost: RouteCost,
     ) -> None:
         control = self.control
-        generating = scope["method"] == "POST" and path in GENERATING_PATHS
         identity, policy = control.identify(scope, headers)
+        reserved = 0
         if control.limits_on and identity is not None:
-            watch.extra, refusal = await control.check_budgets(identity, policy, generating)
+            tokens: int | None = None
+            if cost.tokens and control.token_limit(policy):
+                try:
+                    tokens, receive = await _estimate_from_body(receive)
+                except GatewayError as exc:  # the body broke --max-body-bytes or --body-timeout
+                    await _send_error(watch, path, exc, request_id, [])
+                    return
+            weight = cost.weight(_declared_length(headers))
+            watch.extra, refusal, reserved = await control.check_budgets(identity, policy, weight, tokens)
             if refusal is not None:
                 await _send_error(watch, path, refusal, request_id, [])
                 return
+        ticket = Ticket(control, None, identity, policy, scope.setdefault("state", {}), reserved)
+        try:
+            await self._run_admitted(scope, receive, watch, path, request_id, cost, ticket)
+        finally:
+            if not ticket.detached:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    await ticket.settle()
+
+    async def _run_admitted(
+        self,
+        scope: Scope,
+        receive: Receive,
+        watch: _ResponseWatch,
+        path: str,
+        request_id: str,
+        cost: RouteCost,
+        ticket: Ticket,
+    ) -> None:
+        """Admission (when the route takes a slot), then the app, with `ticket` current."""
+        control = self.control
         slot: Slot | None = None
         # An unknown key takes no place: the route answers 401 at once.
-        if generating and control.admission is not None and identity is not None:
+        if cost.admission and control.admission is not None and ticket.identity is not None:
             try:
                 with tracing.span("gateway.admission"):
                     slot, receive = await _acquire_watching(
-                        control.admission, control.priority(policy), receive
+                        control.admission, control.priority(ticket.policy), receive
                     )
             except RateLimited as refusal:
                 await _send_error(watch, path, refusal, request_id, [])
                 return
             if slot is None:
                 return  # the client left while queued
-        ticket = Ticket(control, slot, identity, policy, scope.setdefault("state", {}))
+        ticket.slot = slot
         watch.ticket = ticket
         reset = current_ticket.set(ticket)
         try:
             await self.app(scope, receive, watch)
         finally:
             current_ticket.reset(reset)
-            if not ticket.detached:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    await ticket.settle()
 
 
 class _ResponseWatch:
@@ -501,6 +541,39 @@ class _ResponseWatch:
             elif self.streaming and not self.finished:
                 frame = terminal_frame(self._path, exc, self.sequence_number)
                 await self._send({"type": "http.response.body", "body": frame, "more_body": False})
+
+
+def _declared_length(headers: Headers) -> int:
+    value = headers.get("content-length", "")
+    return int(value) if value.isdigit() else 0
+
+
+async def _estimate_from_body(receive: Receive) -> tuple[int, Receive]:
+    """The tokens a generation request may use (`estimate_tokens`), read from its body, and the
+    `receive` that replays the body to the app. The body is bounded by the request guard outside
+    (--max-body-bytes, --body-timeout), whose errors propagate; a body that is not JSON is estimated
+    by its size alone and left for the route to refuse."""
+    messages: list[Message] = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+    try:
+        if len(body) <= LOOP_BODY_BYTES:
+            request = orjson.loads(body)
+        else:
+            request = await anyio.to_thread.run_sync(orjson.loads, body)
+    except orjson.JSONDecodeError:
+        request = None
+
+    async def replay() -> Message:
+        if messages:
+            return messages.pop(0)
+        return await receive()
+
+    return estimate_tokens(body, request), replay
 
 
 async def _acquire_watching(

@@ -1,11 +1,13 @@
 """Per-key budgets: token buckets of `limit` per minute, refilled continuously.
 
-Two buckets per key (or per client address when the gateway has no keys): requests (one taken at
-admission) and tokens (admission needs a positive balance; the prompt's tokens are charged as the
-response starts, the completion tokens when it ends, so a long answer may drive the balance below zero
-and later requests wait until it refills). Buckets live in this process (`LocalBuckets`) or in Redis (`RedisBuckets`: one
-Lua script per operation, so concurrent replicas never race; Redis's own clock, so replicas' clocks
-need not agree). When Redis cannot be reached the gateway keeps serving on local buckets, logs it
+Two buckets per key (or per client address when the gateway has no keys): requests (each route's
+weight taken at admission) and tokens (the request's estimated tokens are reserved at admission and
+settled to the real count when it ends, so concurrent requests cannot spend the same balance; an answer
+longer than its reservation drives the balance below zero and later requests wait until it refills).
+Buckets live in this process (`LocalBuckets`) or in Redis (`RedisBuckets`: one Lua script per
+operation, so concurrent replicas never race; Redis's own clock, so replicas' clocks need not agree).
+A bucket is kept until it has refilled, its debt included: forgetting it earlier would hand a key in
+debt a full budget. When Redis cannot be reached the gateway keeps serving on local buckets, logs it
 once and sets `gateway_rate_limit_store_up` to 0; it tries Redis again after `REDIS_RETRY_SECONDS`.
 """
 
@@ -21,8 +23,8 @@ log = logging.getLogger(__name__)
 WINDOW_SECONDS = 60.0
 REDIS_RETRY_SECONDS = 2.0
 REDIS_TIMEOUT_SECONDS = 0.5
-#: Idle buckets expire after a full refill: a key unseen for that long is back at its limit anyway.
-KEY_TTL_SECONDS = int(WINDOW_SECONDS) + 5
+#: Kept this long past the moment a bucket is full again (clock skew between replicas, rounding).
+KEY_TTL_MARGIN_SECONDS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class BucketState:
     @property
     def reset_seconds(self) -> float:
         """Until the bucket is full again."""
-        return max(0.0, (self.limit - self.level) * WINDOW_SECONDS / self.limit)
+        return refill_seconds(self.level, self.limit)
 
     def retry_after(self, needed: float = 1.0) -> float:
         """Until `needed` units are available (at least 1 s)."""
@@ -50,8 +52,8 @@ class BucketState:
 def apply(level: float, limit: int, elapsed: float, mode: str, amount: float) -> tuple[float, bool]:
     """The bucket rule shared by both stores (the Lua script below is its twin).
 
-    `take`: take `amount` if available; `check`: allowed while the balance is positive; `charge`: take
-    `amount` even into debt; `peek`: nothing."""
+    `take`: take `amount` if available (a reservation); `charge`: take `amount` even into debt, or give
+    it back when negative (settling a reservation), never above `limit`; `peek`: nothing."""
     level = min(float(limit), level + elapsed * limit / WINDOW_SECONDS)
     allowed = True
     if mode == "take":
@@ -59,26 +61,47 @@ def apply(level: float, limit: int, elapsed: float, mode: str, amount: float) ->
             level -= amount
         else:
             allowed = False
-    elif mode == "check":
-        allowed = level > 0
     elif mode == "charge":
-        level -= amount
+        level = min(float(limit), level - amount)
     return level, allowed
 
 
+def refill_seconds(level: float, limit: int) -> float:
+    """Until a bucket at `level` (negative: in debt) is full again."""
+    return max(0.0, (limit - level) * WINDOW_SECONDS / limit)
+
+
 class LocalBuckets:
+    """Buckets in this process. A bucket that is full needs no memory: it is dropped when an operation
+    leaves it full, and swept once its refill time has passed (`SWEEP_EVERY` operations)."""
+
+    SWEEP_EVERY = 1024
+
     def __init__(self) -> None:
-        self._buckets: dict[str, tuple[float, float]] = {}
+        #: key → (level, when it was written, when it is full again), all on the monotonic clock.
+        self._buckets: dict[str, tuple[float, float, float]] = {}
+        self._operations = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     async def run(self, key: str, limit: int, mode: str, amount: float = 0.0) -> BucketState:
         now = time.monotonic()
-        level, at = self._buckets.get(key, (float(limit), now))
+        level, at, _ = self._buckets.get(key, (float(limit), now, now))
         level, allowed = apply(level, limit, now - at, mode, amount)
         if level >= limit:
-            self._buckets.pop(key, None)  # full buckets need no memory
-        else:
-            self._buckets[key] = (level, now)
+            self._buckets.pop(key, None)
+        elif mode != "peek":
+            self._buckets[key] = (level, now, now + refill_seconds(level, limit))
+        self._operations += 1
+        if self._operations % self.SWEEP_EVERY == 0:
+            self.sweep(now)
         return BucketState(limit, level, allowed)
+
+    def sweep(self, now: float) -> None:
+        """Forget the buckets that have refilled by `now`."""
+        for key in [k for k, (_, _, full_at) in self._buckets.items() if full_at <= now]:
+            del self._buckets[key]
 
 
 _LUA = """
@@ -87,21 +110,22 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local limit = tonumber(ARGV[1])
 local mode = ARGV[2]
 local amount = tonumber(ARGV[3])
+local window = tonumber(ARGV[5])
 local saved = redis.call('HMGET', KEYS[1], 'level', 'at')
 local level = tonumber(saved[1]) or limit
 local at = tonumber(saved[2]) or now
-level = math.min(limit, level + math.max(0, now - at) * limit / 60)
+level = math.min(limit, level + math.max(0, now - at) * limit / window)
 local allowed = 1
 if mode == 'take' then
   if level >= amount then level = level - amount else allowed = 0 end
-elseif mode == 'check' then
-  if level <= 0 then allowed = 0 end
 elseif mode == 'charge' then
-  level = level - amount
+  level = math.min(limit, level - amount)
 end
 if mode ~= 'peek' then
   redis.call('HSET', KEYS[1], 'level', tostring(level), 'at', tostring(now))
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  -- Kept until it has refilled, from its debt too: expiring earlier would reset a key in debt.
+  local refill = math.max(0, (limit - level) * window / limit)
+  redis.call('EXPIRE', KEYS[1], math.ceil(refill) + tonumber(ARGV[4]))
 end
 return {allowed, tostring(level)}
 """
@@ -150,7 +174,8 @@ class RedisBuckets:
         if time.monotonic() >= self._down_until:
             try:
                 allowed, level = await self._script(
-                    keys=[self.prefix + key], args=[limit, mode, amount, KEY_TTL_SECONDS]
+                    keys=[self.prefix + key],
+                    args=[limit, mode, amount, KEY_TTL_MARGIN_SECONDS, WINDOW_SECONDS],
                 )
             except Exception as exc:  # any Redis trouble: keep serving on local budgets
                 self._down_until = time.monotonic() + REDIS_RETRY_SECONDS
