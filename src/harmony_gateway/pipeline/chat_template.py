@@ -11,7 +11,7 @@ print them with `tojson`). Tool choice selects which tools are rendered; nothing
 
 Every string the request supplies (message text, names, ids, reasoning, tool definitions and call
 arguments, `chat_template_kwargs`, dict keys included) is disarmed first (`ModelTokenizer.disarm`), so
-special tokens' text in it encodes as text and only the template's own markup becomes special ids.
+control tokens' text in it encodes as text and only the template's own markup becomes their ids.
 
 For models behind an HTTP upstream no template is needed: the chat request is forwarded (see
 `pipeline/text_upstream.py`). Raises `InvalidRequest` naming the offending field.

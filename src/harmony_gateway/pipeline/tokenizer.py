@@ -10,11 +10,12 @@ Loading parses a multi-megabyte JSON file, so it runs in a worker thread; concur
 a model share one load. A failure is not cached: the next request tries again. Raises `UpstreamError`
 when no source is available or the files are unusable (a deployment problem, not the client's).
 
-Only a chat template's own markup becomes special tokens. Text a request supplies is passed through
-`ModelTokenizer.disarm` before the template sees it: each special token's text in it is broken with
-`TOKEN_BREAK`, and `encode_rendered` encodes whatever is not an intact special token as plain text, so
-`hello<|im_end|><|im_start|>system` in a message is the text it spells, never a forged turn (as the
-Harmony renderer encodes message text between its own special tokens).
+Only a chat template's own markup becomes control tokens (`ControlTokens`: the special ones, and
+added tokens matched verbatim such as `<tool_call>` or DeepSeek's `<｜User｜>`). Text a request supplies
+is passed through `ModelTokenizer.disarm` before the template sees it: each control token's text in it
+is broken with `TOKEN_BREAK`, and `encode_rendered` encodes whatever is not an intact control token as
+plain text, so `hello<|im_end|><|im_start|>system` in a message is the text it spells, never a forged
+turn (as the Harmony renderer encodes message text between its own special tokens).
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from ..errors import UpstreamError
 from .context import GatewayState
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from tokenizers import AddedToken, Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
-#: Put inside each special token's text found in request text, so the rendered prompt holds it broken
+#: Put inside each control token's text found in request text, so the rendered prompt holds it broken
 #: and it encodes as text. U+FDD0 is a Unicode noncharacter: reserved for a process's internal use, it
 #: means nothing in text, and one arriving in a request is replaced by U+FFFD.
 TOKEN_BREAK = "\ufdd0"
-#: What `tokenizers` strips beside an `lstrip`/`rstrip` special token: Rust's `char::is_whitespace`
+#: What `tokenizers` strips beside an `lstrip`/`rstrip` added token: Rust's `char::is_whitespace`
 #: (Python's `str.isspace` also counts U+001C..U+001F).
 _WHITESPACE = (
     "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009"
@@ -63,7 +64,7 @@ def _token_content(value: Any) -> str | None:
 
 def _longest_match_pattern(texts: Iterable[str]) -> re.Pattern[str]:
     """A regex matching any of `texts`, the longest where several start at one place, built as a trie:
-    a flat alternation of thousands of specials (Gemma's `<unusedN>`) takes seconds per megabyte."""
+    a flat alternation of thousands of tokens (Gemma's `<unusedN>`) takes seconds per megabyte."""
     trie: dict[str, Any] = {}
     for text in texts:
         node = trie
@@ -81,28 +82,38 @@ def _longest_match_pattern(texts: Iterable[str]) -> re.Pattern[str]:
     return re.compile(source(trie))
 
 
+def is_control(token: AddedToken) -> bool:
+    """Whether request text must not produce `token`: a special token, or an added token matched
+    verbatim (`normalized: false`: `<tool_call>`, `<think>`, DeepSeek's `<｜User｜>`, which are not
+    flagged special). Whitespace runs and single characters added that way are text (Gemma's `\n\n`)."""
+    if token.special:
+        return True
+    text = token.content
+    return not token.normalized and len(text) > 1 and not text.isspace()
+
+
 @dataclass(frozen=True, slots=True)
-class SpecialTokens:
-    """A tokenizer's special tokens (`special: true` added tokens), as the encoder splits text on them."""
+class ControlTokens:
+    """The added tokens only a template may write (`is_control`), as the encoder splits text on them."""
 
     ids: dict[str, int]
-    #: Any special token's text, the longest at a place; None when the tokenizer has none.
+    #: Any control token's text, the longest at a place; None when the tokenizer has none.
     pattern: re.Pattern[str] | None
     lstrip: frozenset[str]
     rstrip: frozenset[str]
-    #: Proper prefixes and suffixes of the specials: request text ending (starting) with one could form
-    #: a special token with whatever the template writes after (before) it.
+    #: Proper prefixes and suffixes of the tokens: request text ending (starting) with one could form
+    #: a control token with whatever the template writes after (before) it.
     heads: frozenset[str]
     tails: frozenset[str]
-    #: The characters specials start and end with: text holds a head (tail) only near one of them.
+    #: The characters the tokens start and end with: text holds a head (tail) only near one of them.
     firsts: frozenset[str]
     lasts: frozenset[str]
     longest: int
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer) -> SpecialTokens:
+    def of(cls, tokenizer: Tokenizer) -> ControlTokens:
         added = [
-            t for _, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.special and t.content
+            t for _, t in sorted(tokenizer.get_added_tokens_decoder().items()) if t.content and is_control(t)
         ]
         ids = {}
         for token in added:
@@ -135,11 +146,11 @@ class SpecialTokens:
 
 
 def _break_token(match: re.Match[str]) -> str:
-    """A break after every character, the last included: a special overlapping this one ("<|a|>" and
+    """A break after every character, the last included: a token overlapping this one ("<|a|>" and
     "|>x" in "<|a|>x") is broken too, in the same pass."""
     token = match.group()
     if len(token) == 1:
-        return "\ufffd"  # a one-character special cannot be broken, only dropped
+        return "\ufffd"  # a one-character special token cannot be broken, only dropped
     return TOKEN_BREAK.join(token) + TOKEN_BREAK
 
 
@@ -156,14 +167,19 @@ class ModelTokenizer:
     _token_texts: dict[int, str] = field(default_factory=dict)
     #: Compiled templates, by name (filled by `pipeline.chat_template`).
     compiled: dict[str, Any] = field(default_factory=dict)
-    specials: SpecialTokens = field(init=False)
-    #: A copy of `tokenizer` that encodes special tokens' text as text (`encode_special_tokens`): the
-    #: flag is per tokenizer, not per call, and the shared one is used by several threads at once.
+    controls: ControlTokens = field(init=False)
+    #: A copy of `tokenizer` that encodes control tokens' text as text: they are flagged special in it
+    #: and `encode_special_tokens` is set, a flag per tokenizer, not per call (the shared one is used
+    #: by several threads at once).
     _plain: Tokenizer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.specials = SpecialTokens.of(self.tokenizer)
-        self._plain = type(self.tokenizer).from_str(self.tokenizer.to_str())
+        self.controls = ControlTokens.of(self.tokenizer)
+        data = json.loads(self.tokenizer.to_str())
+        for entry in data.get("added_tokens") or ():
+            if entry.get("content") in self.controls.ids:
+                entry["special"] = True
+        self._plain = type(self.tokenizer).from_str(json.dumps(data))
         self._plain.encode_special_tokens = True
 
     @property
@@ -171,42 +187,42 @@ class ModelTokenizer:
         return self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
 
     def encode(self, text: str) -> list[int]:
-        """Ids of text whose special tokens' text is meant as special tokens (no request text in it)."""
+        """Ids of text whose control tokens' text is meant as those tokens (no request text in it)."""
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def disarm(self, text: str) -> str:
-        """Request text as a template may place it: every special token's text in it broken with
+        """Request text as a template may place it: every control token's text in it broken with
         `TOKEN_BREAK`, and a break at an end that could complete one with the template's text."""
         if TOKEN_BREAK in text:
             text = text.replace(TOKEN_BREAK, "\ufffd")
-        specials = self.specials
-        if specials.pattern is None:
+        controls = self.controls
+        if controls.pattern is None:
             return text
-        text = specials.pattern.sub(_break_token, text)
-        ends_with_head, starts_with_tail = specials.may_complete(text)
+        text = controls.pattern.sub(_break_token, text)
+        ends_with_head, starts_with_tail = controls.may_complete(text)
         return f"{TOKEN_BREAK if starts_with_tail else ''}{text}{TOKEN_BREAK if ends_with_head else ''}"
 
     def encode_rendered(self, rendered: str) -> list[int]:
-        """Ids of a template's output whose request text went through `disarm`: intact special tokens'
-        text (the template's markup) becomes special ids, everything between them plain text."""
+        """Ids of a template's output whose request text went through `disarm`: intact control tokens'
+        text (the template's markup) becomes their ids, everything between them plain text."""
         if TOKEN_BREAK not in rendered:
-            return self.encode(rendered)  # no request text held a special token's text
-        specials = self.specials
-        if specials.pattern is None:
+            return self.encode(rendered)  # no request text held a control token's text
+        controls = self.controls
+        if controls.pattern is None:
             return self._encode_plain(rendered)
         ids: list[int] = []
         start, strip_head = 0, False
-        for match in specials.pattern.finditer(rendered):
+        for match in controls.pattern.finditer(rendered):
             token = match.group()
             text = rendered[start : match.start()]
             if strip_head:
                 text = text.lstrip(_WHITESPACE)
-            if token in specials.lstrip:
+            if token in controls.lstrip:
                 text = text.rstrip(_WHITESPACE)
             ids += self._encode_plain(text)
-            ids.append(specials.ids[token])
-            start, strip_head = match.end(), token in specials.rstrip
+            ids.append(controls.ids[token])
+            start, strip_head = match.end(), token in controls.rstrip
         tail = rendered[start:]
         ids += self._encode_plain(tail.lstrip(_WHITESPACE) if strip_head else tail)
         return ids
@@ -332,8 +348,9 @@ async def model_tokenizer(state: GatewayState, group: Any) -> ModelTokenizer:
 __all__ = [
     "TOKENIZER_FILES",
     "TOKEN_BREAK",
+    "ControlTokens",
     "ModelTokenizer",
-    "SpecialTokens",
+    "is_control",
     "load_folder",
     "load_zip",
     "model_tokenizer",
