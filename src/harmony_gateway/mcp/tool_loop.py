@@ -15,7 +15,6 @@ request's own connections.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 
 from ..errors import InvalidRequest
 from ..harmony.messages import FunctionTool, ToolNamespace
+from ..types.tool_names import is_tool_name
 from .approval import ApprovalIds, approval_request_item, needs_approval, validate_policy
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed
 from .config import ServerConfig
@@ -31,7 +31,6 @@ from .security import check_server_url
 #: Request tool types served here; function tools stay with the pipeline.
 GATEWAY_TOOL_TYPES = frozenset({"mcp", "web_search", "web_search_preview", "code_interpreter"})
 RESERVED_LABELS = frozenset({"functions", "browser", "python", "container", "assistant", "multi_tool_use"})
-_LABEL_RE = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 BROWSER_TOOLS = ("search", "open", "find")
 
 # Decision kinds.
@@ -102,7 +101,7 @@ def parse_gateway_tools(tools: Iterable[dict[str, Any]] | None) -> GatewayTools:
             code_interpreter = i
         elif kind == "mcp":
             label = tool.get("server_label")
-            if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
+            if not isinstance(label, str) or not is_tool_name(label):  # it prefixes the tools' names
                 raise InvalidRequest(
                     "server_label must be 1-64 letters, digits, '_' or '-'", param=f"{where}.server_label"
                 )

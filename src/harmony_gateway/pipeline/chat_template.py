@@ -9,6 +9,10 @@ Templates are rendered as transformers' `apply_chat_template` does: a sandboxed 
 `developer` becomes `system`, and tool-call `arguments` are parsed into objects as vLLM does (templates
 print them with `tojson`). Tool choice selects which tools are rendered; nothing constrains decoding.
 
+Every string the request supplies (message text, names, ids, reasoning, tool definitions and call
+arguments, `chat_template_kwargs`, dict keys included) is disarmed first (`ModelTokenizer.disarm`), so
+control tokens' text in it encodes as text and only the template's own markup becomes their ids.
+
 For models behind an HTTP upstream no template is needed: the chat request is forwarded (see
 `pipeline/text_upstream.py`). Raises `InvalidRequest` naming the offending field.
 """
@@ -38,7 +42,7 @@ from .prepare import (
     token_budget,
 )
 from .text_output import OutputSpec
-from .tokenizer import ModelTokenizer, model_tokenizer
+from .tokenizer import TOKEN_BREAK, ModelTokenizer, model_tokenizer
 
 #: Above this many characters of messages, rendering and tokenizing move to a worker thread.
 THREAD_CHARS = 8000
@@ -145,22 +149,33 @@ def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | Non
     return tools or None
 
 
-def render_chat(tok: ModelTokenizer, request: ChatCompletionRequest) -> str:
-    """The prompt text. Raises InvalidRequest when the template rejects the conversation."""
+def _disarmed(tok: ModelTokenizer, value: Any) -> Any:
+    """`value` (request JSON: dicts, lists, strings, numbers) with every string disarmed."""
+    if isinstance(value, str):
+        return tok.disarm(value)
+    if isinstance(value, dict):
+        return {_disarmed(tok, k): _disarmed(tok, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_disarmed(tok, v) for v in value]
+    return value
+
+
+def _render(tok: ModelTokenizer, request: ChatCompletionRequest) -> str:
+    """The template's output, request text disarmed (see `ModelTokenizer.encode_rendered`)."""
     tools = template_tools(request)
     template = compiled_template(tok, with_tools=tools is not None)
     extra = (request.model_extra or {}).get("chat_template_kwargs") or {}
     if not isinstance(extra, dict):
         raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
     variables: dict[str, Any] = {
-        **extra,
-        "messages": template_messages(request),
+        **_disarmed(tok, extra),
+        "messages": _disarmed(tok, template_messages(request)),
         "add_generation_prompt": True,
         "bos_token": tok.bos_token or "",
         "eos_token": tok.eos_token or "",
     }
     if tools is not None:
-        variables["tools"] = tools
+        variables["tools"] = _disarmed(tok, tools)
     try:
         return template.render(**variables)
     except TemplateError as exc:
@@ -173,9 +188,15 @@ def render_chat(tok: ModelTokenizer, request: ChatCompletionRequest) -> str:
         ) from None
 
 
-def _render_and_encode(tok: ModelTokenizer, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-    prompt = render_chat(tok, request)
-    return prompt, tok.encode(prompt)
+def render_chat(tok: ModelTokenizer, request: ChatCompletionRequest) -> str:
+    """The prompt text. Raises InvalidRequest when the template rejects the conversation."""
+    return _render(tok, request).replace(TOKEN_BREAK, "")
+
+
+def render_and_encode(tok: ModelTokenizer, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The prompt text and its ids: special ids only where the template wrote them."""
+    rendered = _render(tok, request)
+    return rendered.replace(TOKEN_BREAK, ""), tok.encode_rendered(rendered)
 
 
 def selection_text(request: ChatCompletionRequest) -> str:
@@ -217,9 +238,9 @@ async def prepare_chat_template(
     if chars > THREAD_CHARS:
         import anyio
 
-        prompt, input_ids = await anyio.to_thread.run_sync(_render_and_encode, tok, request)
+        prompt, input_ids = await anyio.to_thread.run_sync(render_and_encode, tok, request)
     else:
-        prompt, input_ids = _render_and_encode(tok, request)
+        prompt, input_ids = render_and_encode(tok, request)
     sampling = request_sampling(group, request)
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
@@ -247,6 +268,7 @@ __all__ = [
     "TemplateError",
     "compiled_template",
     "prepare_chat_template",
+    "render_and_encode",
     "render_chat",
     "template_messages",
     "template_tools",

@@ -38,6 +38,7 @@ from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from ..types.chat import ChatCompletionRequest, ChatMessage
 from ..types.generate import CompletionRequest
+from ..types.tool_names import is_tool_name
 from .context import GatewayState, PreparedRequest
 from .reasoning_store import recall_analyses, turn_remembering
 
@@ -164,9 +165,15 @@ def output_constraint(
     nothing else (REFERENCE §2.8): once the model opens a commentary call, the header must name one of
     `call_tools` and the arguments match its schema; once it opens the final channel, the answer must
     match `response_format`. Analysis stays free; constraining the whole output would block the control
-    tokens (ollama#11691)."""
+    tokens (ollama#11691). A tool name goes into the tag verbatim, so only a valid one is accepted
+    (request types check declared names; this keeps names from anywhere else out of the grammar)."""
     structures: list[dict[str, Any]] = []
     triggers: list[str] = []
+    for tool in call_tools:
+        if not is_tool_name(tool.name):
+            raise InvalidRequest(
+                f"tool name {tool.name[:80]!r} cannot be constrained", param=f"{tool.param or 'tools'}.name"
+            )
     if call_tools:
         structures.extend(
             {

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .limits import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, StopStrings, at_most
+from .tool_names import ToolName
 
 
 class _Open(BaseModel):
@@ -25,7 +26,7 @@ class MessageParam(_Open):
 
 
 class ToolParam(_Open):
-    name: str = Field(min_length=1)
+    name: ToolName
     #: None or "custom" for client tools; Anthropic server tools carry a versioned type.
     type: str | None = None
     description: str | None = None

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .limits import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Seed, StopParam, TokenId, TopK, at_most
+from .tool_names import ToolName
 
 
 class _Open(BaseModel):
@@ -35,7 +36,7 @@ class ChatMessage(_Open):
 
 
 class FunctionDefinition(_Open):
-    name: str = Field(min_length=1)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .limits import MAX_ITEMS_PER_CONVERSATION_CALL, MAX_MESSAGES, MAX_TOOLS, Metadata, at_most
+from .tool_names import ResponsesTool
 
 
 class _Open(BaseModel):
@@ -25,7 +26,7 @@ class ResponsesRequest(_Open):
     model: str
     input: Annotated[str | list[dict[str, Any]], at_most(MAX_MESSAGES, "input items")] = ""
     instructions: str | None = None
-    tools: Annotated[list[dict[str, Any]] | None, at_most(MAX_TOOLS, "tools")] = None
+    tools: Annotated[list[ResponsesTool] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
