@@ -20,8 +20,11 @@ from .. import errors
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
+    ConversationLimits,
+    ConversationSize,
     Order,
     Page,
+    RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
@@ -30,10 +33,13 @@ from .base import (
     check_new_item_ids,
     check_page_args,
     item_ids,
+    item_sizes,
     make_page,
+    newest_within,
     paginate,
     previous_response_not_found,
     sequence_numbers,
+    size_of,
     unknown_cursor,
     worker_health_key,
 )
@@ -62,7 +68,12 @@ def _copy_response(response: StoredResponse) -> StoredResponse:
 class _Conversation:
     record: StoredConversation
     items: list[ConversationItem] = field(default_factory=list)
+    #: Each item's stored size, by item id.
+    sizes: dict[str, int] = field(default_factory=dict)
     next_position: int = 0
+
+    def size(self) -> ConversationSize:
+        return ConversationSize(len(self.items), sum(self.sizes.values()))
 
 
 class MemoryStore:
@@ -205,7 +216,11 @@ class MemoryStore:
         return conversation if conversation is not None and conversation.record.owner == owner else None
 
     async def create_conversation(
-        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+        self,
+        conversation: StoredConversation,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem]:
         ids = item_ids(items)
         check_new_item_ids(ids, set())
@@ -214,19 +229,23 @@ class MemoryStore:
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
         copies = _copy(list(items))
+        sizes = item_sizes(copies)
+        if limits is not None:
+            limits.check(ConversationSize(), size_of(sizes))
         entry = _Conversation(record=record)
         self._conversations[conversation.id] = entry
         while len(self._conversations) > self.max_conversations:
             self._conversations.popitem(last=False)
-        return self._append(entry, ids, copies)
+        return self._append(entry, ids, copies, sizes)
 
     def _append(
-        self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]]
+        self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]], sizes: list[int]
     ) -> list[ConversationItem]:
         now = int(time.time())
         added = []
-        for item_id, item in zip(ids, copies, strict=True):
+        for item_id, item, size in zip(ids, copies, sizes, strict=True):
             added.append(ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
+            entry.sizes[item_id] = size
             entry.next_position += 1
         entry.items.extend(added)
         return [replace(a, item=_copy(a.item)) for a in added]
@@ -251,18 +270,42 @@ class MemoryStore:
         return True
 
     async def add_conversation_items(
-        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        owner: str,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem] | None:
         ids = item_ids(items)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        check_new_item_ids(ids, {i.id for i in entry.items})
-        return self._append(entry, ids, _copy(list(items)))
+        check_new_item_ids(ids, set(entry.sizes))
+        copies = _copy(list(items))
+        sizes = item_sizes(copies)
+        if limits is not None:
+            limits.check(entry.size(), size_of(sizes))
+        return self._append(entry, ids, copies, sizes)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         entry = self._conversation(conversation_id, owner)
         return len(entry.items) if entry is not None else None
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ConversationSize | None:
+        entry = self._conversation(conversation_id, owner)
+        return entry.size() if entry is not None else None
+
+    async def recent_conversation_items(
+        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    ) -> RecentItems | None:
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            newest_within((), max_bytes)  # the argument is checked whether or not the id is visible
+            return None
+        kept = newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
+        tail = entry.items[len(entry.items) - kept :]
+        return RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
 
     async def list_conversation_items(
         self,
@@ -303,10 +346,10 @@ class MemoryStore:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return False
-        kept = [i for i in entry.items if i.id != item_id]
-        deleted = len(kept) != len(entry.items)
-        entry.items = kept
-        return deleted
+        if entry.sizes.pop(item_id, None) is None:
+            return False
+        entry.items = [i for i in entry.items if i.id != item_id]
+        return True
 
     async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
         entry = self._conversation(conversation_id, owner)

@@ -37,8 +37,11 @@ from .. import errors
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
+    ConversationLimits,
+    ConversationSize,
     Order,
     Page,
+    RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
@@ -47,10 +50,13 @@ from .base import (
     check_new_item_ids,
     check_page_args,
     item_ids,
+    item_sizes,
     make_page,
+    newest_within,
     paginate,
     previous_response_not_found,
     sequence_numbers,
+    size_of,
     unknown_cursor,
     worker_health_key,
 )
@@ -58,7 +64,7 @@ from .base import (
 logger = logging.getLogger(__name__)
 
 #: The schema version this code writes; `start()` refuses a database with a newer one.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: How long a SQLite writer waits for another process's write lock before failing (ms).
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -139,7 +145,12 @@ conversation_items = sa.Table(
     sa.Column("item_id", sa.Text, nullable=False),
     sa.Column("item", _Json, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),
+    # Version 3: the item's JSON in bytes, for the conversation limits and budgeted history reads.
+    sa.Column("size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ux_conversation_items_item_id", "conversation_id", "item_id", unique=True),
+    # Covers the size walks: they never touch the item payloads (SQLite would read a large item's
+    # overflow pages to reach a column stored after it).
+    sa.Index("ix_conversation_items_size", "conversation_id", "position", "size"),
 )
 
 
@@ -194,8 +205,35 @@ def _create_v2(conn: Connection) -> None:
     metadata.create_all(conn, tables=[gateway_values, workers, worker_health, leases], checkfirst=True)
 
 
+def _add_item_sizes_v3(conn: Connection) -> None:
+    """`conversation_items.size`, filled in from the stored JSON, and its covering index. A database
+    created at version 1 by this code already has both (version 1 creates the current table)."""
+    schema = conn.get_execution_options().get("schema_translate_map", {}).get(None)
+    columns = {c["name"] for c in sa.inspect(conn).get_columns("conversation_items", schema=schema)}
+    if "size" not in columns:
+        quote = conn.dialect.identifier_preparer
+        table = quote.quote("conversation_items")
+        if schema is not None:
+            table = f"{quote.quote_schema(schema)}.{table}"
+        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN size BIGINT NOT NULL DEFAULT 0")
+        item = conversation_items.c.item
+        octets = (
+            sa.func.octet_length(item)
+            if conn.dialect.name == "postgresql"
+            else sa.func.length(sa.cast(item, sa.LargeBinary))
+        )
+        conn.execute(sa.update(conversation_items).values(size=octets))
+    for index in conversation_items.indexes:
+        if index.name == "ix_conversation_items_size":
+            index.create(conn, checkfirst=True)
+
+
 #: version -> migration that brings the database from version - 1 to it.
-_MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _create_v2}
+_MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _create_v1,
+    2: _create_v2,
+    3: _add_item_sizes_v3,
+}
 
 
 def _migrate(conn: Connection) -> None:
@@ -584,6 +622,7 @@ class SqlStore:
         first_position: int,
         ids: list[str],
         items: Sequence[dict[str, Any]],
+        sizes: list[int],
     ) -> list[ConversationItem]:
         now = int(time.time())
         added = [
@@ -600,17 +639,25 @@ class SqlStore:
                         "item_id": a.id,
                         "item": a.item,
                         "created_at": a.created_at,
+                        "size": size,
                     }
-                    for a in added
+                    for a, size in zip(added, sizes, strict=True)
                 ],
             )
         return added
 
     async def create_conversation(
-        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+        self,
+        conversation: StoredConversation,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem]:
         ids = item_ids(items)
         check_new_item_ids(ids, set())
+        sizes = item_sizes(items)
+        if limits is not None:
+            limits.check(ConversationSize(), size_of(sizes))
         try:
             async with self._write() as conn:
                 await conn.execute(
@@ -622,7 +669,7 @@ class SqlStore:
                         next_position=len(ids),
                     )
                 )
-                return await self._insert_items(conn, conversation.id, 0, ids, items)
+                return await self._insert_items(conn, conversation.id, 0, ids, items, sizes)
         except sa.exc.IntegrityError as exc:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.") from exc
 
@@ -664,9 +711,15 @@ class SqlStore:
         return True
 
     async def add_conversation_items(
-        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        owner: str,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem] | None:
         ids = item_ids(items)
+        sizes = item_sizes(items)
         async with self._write() as conn:
             # The row lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE holds the database
             # lock) makes concurrent appenders take turns on next_position.
@@ -690,7 +743,10 @@ class SqlStore:
                 )
             ).scalars()
             check_new_item_ids(ids, set(existing))
-            added = await self._insert_items(conn, conversation_id, next_position, ids, items)
+            if limits is not None:
+                # Under the row lock: a racing appender waits for this commit, then counts these items.
+                limits.check(await self._size(conn, conversation_id), size_of(sizes))
+            added = await self._insert_items(conn, conversation_id, next_position, ids, items, sizes)
             await conn.execute(
                 sa.update(conversations)
                 .where(conversations.c.id == conversation_id)
@@ -704,6 +760,53 @@ class SqlStore:
             if not await self._conversation_visible(conn, conversation_id, owner):
                 return None
             return int((await conn.execute(query)).scalar() or 0)
+
+    @staticmethod
+    async def _size(conn: AsyncConnection, conversation_id: str) -> ConversationSize:
+        held = (
+            await conn.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(conversation_items.c.size), 0)).where(
+                    conversation_items.c.conversation_id == conversation_id
+                )
+            )
+        ).one()
+        return ConversationSize(int(held[0]), int(held[1]))
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ConversationSize | None:
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            return await self._size(conn, conversation_id)
+
+    async def recent_conversation_items(
+        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    ) -> RecentItems | None:
+        newest_within((), max_bytes)
+        position = conversation_items.c.position
+        of_conversation = conversation_items.c.conversation_id == conversation_id
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            # Positions and sizes only (the covering index), newest first; then the payloads of the
+            # tail that fits, bounded above as well so an append in between adds nothing unbudgeted.
+            sized = (
+                await conn.execute(
+                    sa.select(position, conversation_items.c.size)
+                    .where(of_conversation)
+                    .order_by(position.desc())
+                )
+            ).all()
+            kept = newest_within((row.size for row in sized), max_bytes)
+            if not kept:
+                return RecentItems([], omitted=len(sized))
+            rows = await conn.execute(
+                sa.select(conversation_items.c.item)
+                .where(of_conversation, position >= sized[kept - 1].position, position <= sized[0].position)
+                .order_by(position)
+            )
+            items = list(rows.scalars())
+        # An item deleted in between leaves a gap: it is simply not there, as it would not be later.
+        return RecentItems(items, omitted=len(sized) - kept)
 
     async def list_conversation_items(
         self,
