@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS, ConversationLimits
+
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
@@ -76,6 +78,10 @@ class Settings:
     storage_schema: str | None = None
     #: Stored responses older than this many seconds are purged (None keeps them).
     storage_retention: float | None = None
+    #: Caps on one conversation (items, and their stored JSON in bytes), enforced by the storage on
+    #: every append: a write past one is a 400 `conversation_too_large`.
+    max_conversation_items: int = DEFAULT_MAX_CONVERSATION_ITEMS
+    max_conversation_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES
     api_keys: frozenset[str] = frozenset()
     #: Keys for the admin plane (worker management, and /metrics and /docs under `protect_metrics`);
     #: distinct from `api_keys`: a tenant key never opens an admin route (api/admin.py).
@@ -143,6 +149,10 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+
+    @property
+    def conversation_limits(self) -> ConversationLimits:
+        return ConversationLimits(self.max_conversation_items, self.max_conversation_bytes)
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""

@@ -42,7 +42,7 @@ from ..mcp.tool_loop import (
     parse_gateway_tools,
 )
 from ..observability.tracing import traced
-from ..storage.base import MAX_CONVERSATION_ITEMS
+from ..storage.base import item_sizes, size_of
 from ..types.responses import ResponsesRequest
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
@@ -356,15 +356,14 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             known_items.extend(record.response.get("output") or ())
     conversation_items: list[dict[str, Any]] = []
     if conversation_id:
+        held = await store.conversation_size(conversation_id, ctx.owner)
+        if held is None:
+            raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
+        # This input joins the conversation when the response ends: refuse it now, not after generating.
+        state.settings.conversation_limits.check(held, size_of(item_sizes(items)), param="conversation")
         found = await store.all_conversation_items(conversation_id, ctx.owner)
         if found is None:
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
-        if len(found) + len(items) > MAX_CONVERSATION_ITEMS:
-            raise InvalidRequest(
-                f"conversation {conversation_id!r} holds {len(found)} items; a conversation holds at most "
-                f"{MAX_CONVERSATION_ITEMS}: start a new one",
-                param="conversation",
-            )
         conversation_items = found
         known_items.extend(found)
         started = await conversation_started(store, conversation_id, ctx.owner)

@@ -26,7 +26,6 @@ Order = Literal["asc", "desc"]
 #: Items one conversation may hold by default (`serve --max-conversation-items`). OpenAI documents 20
 #: items per create/add call and no total; a total keeps the per-conversation index walk bounded.
 DEFAULT_MAX_CONVERSATION_ITEMS = 10_000
-MAX_CONVERSATION_ITEMS = DEFAULT_MAX_CONVERSATION_ITEMS
 #: Stored bytes (items as JSON) one conversation may hold by default (`serve --max-conversation-bytes`):
 #: the default request body cap, about fifteen times what a 131k-token context can show of it.
 DEFAULT_MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
