@@ -182,6 +182,43 @@ async def test_truncation_auto_drops_the_oldest_responses_of_a_chain(gateway: Ru
         assert "[step 3]" in prompt and "[last]" in prompt and "[step 0]" not in prompt
 
 
+async def chain_of(gw: RunningGateway, length: int) -> str:
+    """A chain of `length` responses, each ~300 kB stored but ~1,200 tokens (runs of spaces tokenize
+    128 bytes a token): with truncation each fits, and the chain grows past what any prompt shows."""
+    async with openai.AsyncOpenAI(base_url=gw.base_url, api_key="k", max_retries=0) as client:
+        previous: str | None = None
+        for n in range(length):
+            kwargs: dict[str, Any] = {"previous_response_id": previous} if previous else {}
+            response = await client.responses.create(
+                model=MODEL,
+                input=f"[link {n}]" + " " * 150_000,
+                truncation="auto",
+                max_output_tokens=16,
+                **kwargs,
+            )
+            previous = response.id
+    assert previous is not None
+    return previous
+
+
+async def test_continuing_a_long_chain_reads_only_what_the_context_could_show(
+    gateway: RunningGateway,
+) -> None:
+    short, long = await chain_of(gateway, 2), await chain_of(gateway, 16)
+    peaks = []
+    for head in (short, long):
+        request = {"model": MODEL, "input": "and now?", "previous_response_id": head}
+        refused, _ = await peak_memory_of_render(gateway, request)
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        rendered, peak = await peak_memory_of_render(gateway, {**request, "truncation": "auto"})
+        assert rendered.status_code == 200, rendered.text
+        assert "and now?" in rendered.json()["prompt_text"]
+        peaks.append(peak)
+    # Every response of the chain was read before: the peak grew with its length.
+    assert peaks[1] < 1.5 * peaks[0], peaks
+
+
 async def test_bad_truncation_is_a_400(gateway: RunningGateway) -> None:
     async with openai.AsyncOpenAI(base_url=gateway.base_url, api_key="k", max_retries=0) as client:
         with pytest.raises(openai.BadRequestError) as caught:

@@ -21,6 +21,7 @@ def test_public_names() -> None:
             "ConversationSize",
             "MemoryStore",
             "Page",
+            "RecentChain",
             "RecentItems",
             "SqlStore",
             "Store",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -15,11 +16,13 @@ from harmony_gateway.storage import (
     ConversationItem,
     ConversationLimits,
     ConversationSize,
+    RecentChain,
     RecentItems,
     Store,
     StoredConversation,
     StoredResponse,
 )
+from harmony_gateway.storage.base import replay_size
 
 from .conftest import Backend
 
@@ -294,6 +297,48 @@ async def test_load_chain_max_depth_keeps_the_newest(store: Store) -> None:
     assert [r.id for r in await store.load_chain(chain_ids[-1], ALICE, max_depth=1)] == chain_ids[-1:]
     with pytest.raises(ValueError):
         await store.load_chain(chain_ids[-1], ALICE, max_depth=0)
+
+
+async def test_load_recent_chain_reads_the_newest_within_the_budget(store: Store) -> None:
+    chain: list[StoredResponse] = []
+    previous: str | None = None
+    for n in range(5):
+        r = response(
+            previous_response_id=previous, history=[{"role": "user", "content": "x" * 1000 * (n + 1)}]
+        )
+        await store.put_response(r)
+        chain.append(r)
+        previous = r.id
+    sizes = [replay_size(r) for r in chain]
+    head = chain[-1].id
+
+    everything = await store.load_recent_chain(head, ALICE, max_bytes=None)
+    assert everything == RecentChain(chain, omitted=False)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=sum(sizes)) == RecentChain(chain, False)
+    newest_two = sum(sizes[-2:])
+    assert await store.load_recent_chain(head, ALICE, max_bytes=newest_two) == RecentChain(chain[-2:], True)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=newest_two - 1) == RecentChain(
+        chain[-1:], True
+    )
+    # The response named is read whatever its size: it is what the request continues from.
+    assert await store.load_recent_chain(head, ALICE, max_bytes=0) == RecentChain(chain[-1:], True)
+    assert await store.load_recent_chain(chain[0].id, ALICE, max_bytes=0) == RecentChain(chain[:1], False)
+    # The depth bound still applies, and is not reported as a budget cut.
+    assert await store.load_recent_chain(head, ALICE, max_bytes=None, max_depth=2) == RecentChain(
+        chain[-2:], False
+    )
+
+    # A replaced response is weighed by what it holds now.
+    bigger = dataclasses.replace(chain[-1], history=[{"role": "user", "content": "y" * 50_000}])
+    await store.put_response(bigger)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=50_000 + sizes[-2]) == RecentChain(
+        [bigger], True
+    )
+
+    with pytest.raises(errors.InvalidRequest):
+        await store.load_recent_chain(head, BOB, max_bytes=None)
+    with pytest.raises(ValueError):
+        await store.load_recent_chain(head, ALICE, max_bytes=-1)
 
 
 async def test_list_responses_with_status(store: Store) -> None:
@@ -714,12 +759,17 @@ async def test_a_version_2_database_gets_item_sizes(sql_backend: Backend) -> Non
     store = await sql_backend.open()
     conv = conversation()
     await store.create_conversation(conv, sized(3, 150))
+    first = response()
+    second = response(previous_response_id=first.id)
+    for r in (first, second):
+        await store.put_response(r)
     # Make it look like a database written before items had sizes (schema version 2).
     qualified = f'"{sql_backend.schema}".' if sql_backend.schema else ""
     engine = store._engine  # type: ignore[attr-defined]
     async with engine.begin() as conn:
         await conn.exec_driver_sql(f"DROP INDEX {qualified}ix_conversation_items_size")
         await conn.exec_driver_sql(f"ALTER TABLE {qualified}conversation_items DROP COLUMN size")
+        await conn.exec_driver_sql(f"ALTER TABLE {qualified}responses DROP COLUMN replay_size")
         await conn.exec_driver_sql(f"DELETE FROM {qualified}schema_version WHERE version = 3")
     await store.close()
 
@@ -727,3 +777,8 @@ async def test_a_version_2_database_gets_item_sizes(sql_backend: Backend) -> Non
     assert await upgraded.conversation_size(conv.id, ALICE) == ConversationSize(3, 450)
     recent = await upgraded.recent_conversation_items(conv.id, ALICE, max_bytes=300)
     assert recent is not None and len(recent.items) == 2 and recent.omitted == 1
+    both = replay_size(first) + replay_size(second)
+    assert await upgraded.load_recent_chain(second.id, ALICE, max_bytes=both) == RecentChain([first, second])
+    assert await upgraded.load_recent_chain(second.id, ALICE, max_bytes=both - 1) == RecentChain(
+        [second], True
+    )

@@ -345,7 +345,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     known_items: list[dict[str, Any]] = []
     chain_root: str | None = None
     if req.previous_response_id:
-        chain = await store.load_chain(req.previous_response_id, ctx.owner)
+        # Only the newest responses the context could show are read (pipeline/history_window.py).
+        recent_chain = await store.load_recent_chain(
+            req.previous_response_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
+        )
+        if recent_chain.omitted and not truncate:
+            raise history_too_long(context_tokens)
+        chain = recent_chain.responses
         if chain[-1].status in ("queued", "in_progress"):
             # Its output is not known yet: continuing now would silently drop it from the history.
             raise Conflict(
@@ -354,7 +360,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
                 param="previous_response_id",
                 code="previous_response_in_progress",
             )
-        # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
+        # Inherited along the chain, so it survives the oldest ancestors being left unread.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
         started = chain[-1].metadata.get(DATE_KEY) or utc_date(chain[0].created_at)
         for record in chain:

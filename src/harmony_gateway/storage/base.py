@@ -112,6 +112,23 @@ class StoredResponse:
 
 
 @dataclass(slots=True)
+class RecentChain:
+    """A `previous_response_id` chain, oldest first, read within a byte budget (`Store.load_recent_chain`);
+    `omitted` is True when an ancestor exists that the budget left unread."""
+
+    responses: list[StoredResponse]
+    omitted: bool = False
+
+
+def replay_size(response: StoredResponse) -> int:
+    """What continuing a chain reads of a response: its history, input items and Response, as stored
+    JSON bytes. TypeError if they are not JSON."""
+    return sum(
+        len(orjson.dumps(part)) for part in (response.history, response.input_items, response.response)
+    )
+
+
+@dataclass(slots=True)
 class StoredConversation:
     id: str
     owner: str
@@ -260,6 +277,15 @@ class Store(Protocol):
         a response). At most `max_depth` (>= 1, else ValueError) responses are returned: the newest
         ones; older ancestors are dropped.
         """
+        ...
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
+        """`load_chain` within a byte budget: the response itself always, then its ancestors newest first
+        while their `replay_size`s (the response's own included) sum to at most `max_bytes` (None: no
+        budget). Ancestors past the budget are not read; `omitted` says one exists. Raises as
+        `load_chain` does, and ValueError for `max_bytes < 0`."""
         ...
 
     async def list_responses_with_status(
@@ -458,10 +484,14 @@ def size_of(sizes: Sequence[int]) -> ConversationSize:
     return ConversationSize(len(sizes), sum(sizes))
 
 
-def newest_within(sizes_newest_first: Iterable[int], max_bytes: int | None) -> int:
-    """How many of the newest items fit `max_bytes` (see `Store.recent_conversation_items`)."""
+def check_budget(max_bytes: int | None) -> None:
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be at least 0, got {max_bytes}")
+
+
+def newest_within(sizes_newest_first: Iterable[int], max_bytes: int | None) -> int:
+    """How many of the newest items fit `max_bytes` (see `Store.recent_conversation_items`)."""
+    check_budget(max_bytes)
     kept = total = 0
     for size in sizes_newest_first:
         total += size
@@ -469,6 +499,11 @@ def newest_within(sizes_newest_first: Iterable[int], max_bytes: int | None) -> i
             break
         kept += 1
     return kept
+
+
+def within_budget(sizes_newest_first: Sequence[int], max_bytes: int | None) -> int:
+    """How many responses of a walked chain `Store.load_recent_chain` keeps: the newest always."""
+    return min(len(sizes_newest_first), max(1, newest_within(sizes_newest_first, max_bytes)))
 
 
 def check_page_args(limit: int, order: str) -> None:

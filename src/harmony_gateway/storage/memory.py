@@ -24,11 +24,13 @@ from .base import (
     ConversationSize,
     Order,
     Page,
+    RecentChain,
     RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
     WorkerHealth,
+    check_budget,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
@@ -38,9 +40,11 @@ from .base import (
     newest_within,
     paginate,
     previous_response_not_found,
+    replay_size,
     sequence_numbers,
     size_of,
     unknown_cursor,
+    within_budget,
     worker_health_key,
 )
 
@@ -98,6 +102,8 @@ class MemoryStore:
         # Insertion order is creation order, so the first entry is the one to evict.
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._events: dict[str, dict[int, dict[str, Any]]] = {}
+        #: Each stored response's `replay_size`, by id.
+        self._replay_sizes: dict[str, int] = {}
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
         #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
         self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
@@ -118,10 +124,13 @@ class MemoryStore:
         if response.status not in RESPONSE_STATUSES:
             raise ValueError(f"unknown response status {response.status!r}")
         item_ids(response.input_items)
+        size = replay_size(response)
         self._responses[response.id] = _copy_response(response)
+        self._replay_sizes[response.id] = size
         while len(self._responses) > self.max_responses:
             evicted, _ = self._responses.popitem(last=False)
             self._events.pop(evicted, None)
+            self._replay_sizes.pop(evicted, None)
 
     async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
         if response.status not in RESPONSE_STATUSES:
@@ -130,8 +139,10 @@ class MemoryStore:
         stored = self._visible(response.id, response.owner)
         if stored is None or stored.status not in from_statuses:
             return False
+        size = replay_size(response)
         # Replaced in place: the response keeps its position in the eviction order.
         self._responses[response.id] = _copy_response(response)
+        self._replay_sizes[response.id] = size
         return True
 
     async def get_response_status(self, response_id: str) -> str | None:
@@ -151,6 +162,7 @@ class MemoryStore:
             return False
         del self._responses[response_id]
         self._events.pop(response_id, None)
+        self._replay_sizes.pop(response_id, None)
         return True
 
     async def list_input_items(
@@ -170,21 +182,30 @@ class MemoryStore:
         return page
 
     async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        return (
+            await self.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)
+        ).responses
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
         check_max_depth(max_depth)
+        check_budget(max_bytes)
         if self._visible(response_id, owner) is None:
             raise previous_response_not_found(response_id)
-        chain: list[StoredResponse] = []
+        walked: list[StoredResponse] = []
         seen: set[str] = set()
         current: str | None = response_id
-        while current is not None and current not in seen and len(chain) < max_depth:
+        while current is not None and current not in seen and len(walked) < max_depth:
             stored = self._visible(current, owner)
             if stored is None:
                 break
             seen.add(current)
-            chain.append(_copy_response(stored))
+            walked.append(stored)
             current = stored.previous_response_id
-        chain.reverse()
-        return chain
+        kept = within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
+        chain = [_copy_response(r) for r in reversed(walked[:kept])]
+        return RecentChain(chain, omitted=kept < len(walked))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
@@ -388,6 +409,7 @@ class MemoryStore:
         for response_id in expired:
             del self._responses[response_id]
             self._events.pop(response_id, None)
+            self._replay_sizes.pop(response_id, None)
         return len(expired)
 
     # -- shared worker registry -----------------------------------------------------------------

@@ -41,11 +41,13 @@ from .base import (
     ConversationSize,
     Order,
     Page,
+    RecentChain,
     RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
     WorkerHealth,
+    check_budget,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
@@ -55,9 +57,11 @@ from .base import (
     newest_within,
     paginate,
     previous_response_not_found,
+    replay_size,
     sequence_numbers,
     size_of,
     unknown_cursor,
+    within_budget,
     worker_health_key,
 )
 
@@ -111,6 +115,8 @@ responses = sa.Table(
     sa.Column("history", _Json, nullable=False),
     sa.Column("request", _Json, nullable=False),
     sa.Column("metadata", _Json, nullable=False),
+    # Version 3: `base.replay_size`, so a chain walk weighs its ancestors without reading them.
+    sa.Column("replay_size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ix_responses_owner_id", "owner", "id"),
     sa.Index("ix_responses_status", "status"),
     sa.Index("ix_responses_created_at", "created_at"),
@@ -205,24 +211,34 @@ def _create_v2(conn: Connection) -> None:
     metadata.create_all(conn, tables=[gateway_values, workers, worker_health, leases], checkfirst=True)
 
 
-def _add_item_sizes_v3(conn: Connection) -> None:
-    """`conversation_items.size`, filled in from the stored JSON, and its covering index. A database
-    created at version 1 by this code already has both (version 1 creates the current table)."""
+def _add_sizes_v3(conn: Connection) -> None:
+    """`conversation_items.size` (with its covering index) and `responses.replay_size`, filled in from
+    the stored JSON. A database created at version 1 by this code already has them (version 1 creates
+    the current tables)."""
     schema = conn.get_execution_options().get("schema_translate_map", {}).get(None)
-    columns = {c["name"] for c in sa.inspect(conn).get_columns("conversation_items", schema=schema)}
-    if "size" not in columns:
-        quote = conn.dialect.identifier_preparer
-        table = quote.quote("conversation_items")
+    inspector = sa.inspect(conn)
+    quote = conn.dialect.identifier_preparer
+
+    def octets(column: sa.ColumnElement[Any]) -> sa.ColumnElement[int]:
+        if conn.dialect.name == "postgresql":
+            return sa.func.octet_length(column)
+        return sa.func.length(sa.cast(column, sa.LargeBinary))
+
+    def add_column(table: sa.Table, column: str, value: sa.ColumnElement[Any]) -> None:
+        if column in {c["name"] for c in inspector.get_columns(table.name, schema=schema)}:
+            return
+        name = quote.quote(table.name)
         if schema is not None:
-            table = f"{quote.quote_schema(schema)}.{table}"
-        conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN size BIGINT NOT NULL DEFAULT 0")
-        item = conversation_items.c.item
-        octets = (
-            sa.func.octet_length(item)
-            if conn.dialect.name == "postgresql"
-            else sa.func.length(sa.cast(item, sa.LargeBinary))
-        )
-        conn.execute(sa.update(conversation_items).values(size=octets))
+            name = f"{quote.quote_schema(schema)}.{name}"
+        conn.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {column} BIGINT NOT NULL DEFAULT 0")
+        conn.execute(sa.update(table).values({column: value}))
+
+    add_column(conversation_items, "size", octets(conversation_items.c.item))
+    add_column(
+        responses,
+        "replay_size",
+        octets(responses.c.history) + octets(responses.c.input_items) + octets(responses.c.response),
+    )
     for index in conversation_items.indexes:
         if index.name == "ix_conversation_items_size":
             index.create(conn, checkfirst=True)
@@ -232,7 +248,7 @@ def _add_item_sizes_v3(conn: Connection) -> None:
 _MIGRATIONS: dict[int, Callable[[Connection], None]] = {
     1: _create_v1,
     2: _create_v2,
-    3: _add_item_sizes_v3,
+    3: _add_sizes_v3,
 }
 
 
@@ -372,6 +388,7 @@ def _response_values(r: StoredResponse) -> dict[str, Any]:
         "history": r.history,
         "request": r.request,
         "metadata": r.metadata,
+        "replay_size": replay_size(r),
     }
 
 
@@ -537,44 +554,58 @@ class SqlStore:
         return paginate(row.input_items, after=after, limit=limit, order=order)
 
     async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        return (
+            await self.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)
+        ).responses
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
         check_max_depth(max_depth)
-        # Walk the ids in one recursive query; the depth bound also ends a cycle.
+        check_budget(max_bytes)
+        # Walk the ids and sizes in one recursive query; the depth bound also ends a cycle.
         start = sa.select(
             responses.c.id,
             responses.c.previous_response_id,
+            responses.c.replay_size,
             sa.literal_column("1", sa.Integer).label("depth"),
         ).where(responses.c.id == response_id, responses.c.owner == owner)
         walk = start.cte("chain", recursive=True)
         parent = responses.alias("parent")
         walk = walk.union_all(
-            sa.select(parent.c.id, parent.c.previous_response_id, walk.c.depth + 1)
+            sa.select(parent.c.id, parent.c.previous_response_id, parent.c.replay_size, walk.c.depth + 1)
             .join_from(walk, parent, parent.c.id == walk.c.previous_response_id)
             .where(parent.c.owner == owner, walk.c.depth < max_depth)
         )
         async with self._read() as conn:
-            walked = (await conn.execute(sa.select(walk.c.id).order_by(walk.c.depth))).scalars().all()
+            walked = (
+                await conn.execute(sa.select(walk.c.id, walk.c.replay_size).order_by(walk.c.depth))
+            ).all()
             ids: list[str] = []
-            for walked_id in walked:
+            sizes: list[int] = []
+            for walked_id, size in walked:
                 if walked_id in ids:
                     logger.warning("previous_response_id cycle at %s; chain cut there", walked_id)
                     break
                 ids.append(walked_id)
+                sizes.append(int(size))
             if not ids:
                 raise previous_response_not_found(response_id)
+            kept = ids[: within_budget(sizes, max_bytes)]
             rows = await conn.execute(
-                sa.select(responses).where(responses.c.id.in_(ids), responses.c.owner == owner)
+                sa.select(responses).where(responses.c.id.in_(kept), responses.c.owner == owner)
             )
             by_id = {row.id: _response_from_row(row) for row in rows}
         chain: list[StoredResponse] = []
         # A response deleted between the two queries ends the walk like a missing ancestor.
-        for walked_id in ids:
+        for walked_id in kept:
             if walked_id not in by_id:
                 break
             chain.append(by_id[walked_id])
         if not chain:
             raise previous_response_not_found(response_id)
         chain.reverse()
-        return chain
+        return RecentChain(chain, omitted=len(kept) < len(ids))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
