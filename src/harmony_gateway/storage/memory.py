@@ -320,9 +320,9 @@ class MemoryStore:
     async def recent_conversation_items(
         self, conversation_id: str, owner: str, *, max_bytes: int | None
     ) -> RecentItems | None:
+        check_budget(max_bytes)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
-            newest_within((), max_bytes)  # the argument is checked whether or not the id is visible
             return None
         kept = newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
         tail = entry.items[len(entry.items) - kept :]

@@ -812,7 +812,7 @@ class SqlStore:
     async def recent_conversation_items(
         self, conversation_id: str, owner: str, *, max_bytes: int | None
     ) -> RecentItems | None:
-        newest_within((), max_bytes)
+        check_budget(max_bytes)
         position = conversation_items.c.position
         of_conversation = conversation_items.c.conversation_id == conversation_id
         async with self._read() as conn:
