@@ -35,7 +35,6 @@ from .base import (
     check_new_item_ids,
     check_page_args,
     item_ids,
-    item_sizes,
     make_page,
     newest_within,
     paginate,
@@ -55,6 +54,19 @@ DEFAULT_MAX_VALUES = 100_000
 
 def _copy(value: Any) -> Any:
     return orjson.loads(orjson.dumps(value))
+
+
+def _copy_items(items: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Copies of the items and their stored sizes (`base.item_sizes`), from one serialisation each.
+
+    One item at a time: orjson's output keeps the buffer it reserved (about fifteen times the JSON for
+    long strings) until it is freed, so a list of them would hold that for every item at once."""
+    copies, sizes = [], []
+    for item in items:
+        raw = orjson.dumps(item)
+        copies.append(orjson.loads(raw))
+        sizes.append(len(raw))
+    return copies, sizes
 
 
 def _copy_response(response: StoredResponse) -> StoredResponse:
@@ -249,8 +261,7 @@ class MemoryStore:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
-        copies = _copy(list(items))
-        sizes = item_sizes(copies)
+        copies, sizes = _copy_items(items)
         if limits is not None:
             limits.check(ConversationSize(), size_of(sizes))
         entry = _Conversation(record=record)
@@ -303,8 +314,7 @@ class MemoryStore:
         if entry is None:
             return None
         check_new_item_ids(ids, set(entry.sizes))
-        copies = _copy(list(items))
-        sizes = item_sizes(copies)
+        copies, sizes = _copy_items(items)
         if limits is not None:
             limits.check(entry.size(), size_of(sizes))
         return self._append(entry, ids, copies, sizes)
