@@ -2,8 +2,8 @@
 tools) mapped to one Harmony turn, and each generation's output parsed into the response builder.
 
 Harmony prompt for a turn = system + developer (this request's instructions and tools only) + the
-stored history of every response in the `previous_response_id` chain (oldest first) or the
-conversation's items + this request's input. Each stored response keeps its own turn's messages
+stored history of the responses in the `previous_response_id` chain (oldest first) or the
+conversation's items, as much of it as the context shows (`history_window`) + this request's input. Each stored response keeps its own turn's messages
 (input and generated, exactly as generated) so chains replay losslessly.
 
 What runs a response (the tool loop, storage, background runs, cancel) is the Responses service in
