@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
+from harmony_gateway.storage import ConversationLimits
 
 
 @pytest.mark.parametrize("command", [[], ["serve"], ["sim-engine"], ["vocab"], ["render"]])
@@ -84,6 +85,17 @@ def test_text_parser_window_flags() -> None:
         ["serve", "--worker-url", "grpc://h:1", "--text-parser-window-chars", "-1"]
     )
     assert "--text-parser-window-chars" in (invalid_setting(settings_from_args(bad)) or "")
+
+
+def test_conversation_limit_flags() -> None:
+    base = ["serve", "--worker-url", "grpc://h:1"]
+    flags = ["--max-conversation-items", "50", "--max-conversation-bytes", "65536"]
+    settings = settings_from_args(build_parser().parse_args([*base, *flags]))
+    assert settings.conversation_limits == ConversationLimits(max_items=50, max_bytes=65536)
+    default = settings_from_args(build_parser().parse_args(base))
+    assert default.conversation_limits == ConversationLimits(max_items=10_000, max_bytes=8 * 1024 * 1024)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--max-conversation-bytes", "0"])
 
 
 def test_agent_client_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:

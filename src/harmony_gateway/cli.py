@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .settings import Settings, Timeouts
+from .storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
 
 log = logging.getLogger("harmony_gateway")
 
@@ -173,6 +174,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         storage_url=args.storage,
         storage_schema=args.storage_schema,
         storage_retention=args.storage_retention,
+        max_conversation_items=args.max_conversation_items,
+        max_conversation_bytes=args.max_conversation_bytes,
         api_keys=_api_keys(args),
         admin_keys=_admin_keys(args),
         admin_host=args.admin_host,
@@ -407,6 +410,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="purge stored responses older than this",
+    )
+    p.add_argument(
+        "--max-conversation-items",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONVERSATION_ITEMS,
+        metavar="N",
+        help="items one conversation may hold; an append past it is a 400 (default %(default)s; OpenAI "
+        "documents 20 per call and no total)",
+    )
+    p.add_argument(
+        "--max-conversation-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONVERSATION_BYTES,
+        metavar="N",
+        help="bytes of items (as stored JSON) one conversation may hold; an append past it is a 400 "
+        "(default %(default)s, 8 MiB)",
     )
     p.add_argument(
         "--api-key",

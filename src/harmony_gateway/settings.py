@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS, ConversationLimits
 from .traffic.keys import KeyPolicy
 
 
@@ -78,6 +79,10 @@ class Settings:
     storage_schema: str | None = None
     #: Stored responses older than this many seconds are purged (None keeps them).
     storage_retention: float | None = None
+    #: Caps on one conversation (items, and their stored JSON in bytes), enforced by the storage on
+    #: every append: a write past one is a 400 `conversation_too_large`.
+    max_conversation_items: int = DEFAULT_MAX_CONVERSATION_ITEMS
+    max_conversation_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES
     api_keys: frozenset[str] = frozenset()
     #: Keys for the admin plane (worker management, and /metrics and /docs under `protect_metrics`);
     #: distinct from `api_keys`: a tenant key never opens an admin route (api/admin.py).
@@ -151,6 +156,10 @@ class Settings:
     #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
     #: default would trust 127.0.0.1, so any local client could pick its address).
     forwarded_allow_ips: tuple[str, ...] = ()
+
+    @property
+    def conversation_limits(self) -> ConversationLimits:
+        return ConversationLimits(self.max_conversation_items, self.max_conversation_bytes)
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""

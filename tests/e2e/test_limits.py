@@ -189,14 +189,12 @@ async def test_a_huge_list_is_refused_without_validating_its_entries(guarded: Ru
     assert r.json()["error"]["message"].startswith("at most 4096 input items are accepted, got 300000")
 
 
-async def test_a_conversation_is_bounded(guarded: RunningGateway, monkeypatch: pytest.MonkeyPatch) -> None:
-    from harmony_gateway.api import responses as conversations_api
-    from harmony_gateway.pipeline import responses as responses_pipeline
-
-    monkeypatch.setattr(conversations_api, "MAX_CONVERSATION_ITEMS", 25)
-    monkeypatch.setattr(responses_pipeline, "MAX_CONVERSATION_ITEMS", 25)
+async def test_a_conversation_is_bounded(sim: Any) -> None:
     item = {"type": "message", "role": "user", "content": "hello"}
-    async with openai.AsyncOpenAI(base_url=guarded.base_url, api_key="k", max_retries=0) as client:
+    async with (
+        running_gateway(test_settings(worker_urls=(sim.url,), max_conversation_items=25)) as capped,
+        openai.AsyncOpenAI(base_url=capped.base_url, api_key="k", max_retries=0) as client,
+    ):
         conversation = await client.conversations.create(items=[item] * 20)
         with pytest.raises(openai.BadRequestError) as caught:
             await client.conversations.items.create(conversation.id, items=[item] * 6)

@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import Any
 
+import orjson
 import pytest
 
 from harmony_gateway import errors
 from harmony_gateway.storage import (
     ConversationItem,
+    ConversationLimits,
+    ConversationSize,
+    RecentChain,
+    RecentItems,
     Store,
     StoredConversation,
     StoredResponse,
 )
+from harmony_gateway.storage.base import replay_size
 
 from .conftest import Backend
 
@@ -292,6 +299,48 @@ async def test_load_chain_max_depth_keeps_the_newest(store: Store) -> None:
         await store.load_chain(chain_ids[-1], ALICE, max_depth=0)
 
 
+async def test_load_recent_chain_reads_the_newest_within_the_budget(store: Store) -> None:
+    chain: list[StoredResponse] = []
+    previous: str | None = None
+    for n in range(5):
+        r = response(
+            previous_response_id=previous, history=[{"role": "user", "content": "x" * 1000 * (n + 1)}]
+        )
+        await store.put_response(r)
+        chain.append(r)
+        previous = r.id
+    sizes = [replay_size(r) for r in chain]
+    head = chain[-1].id
+
+    everything = await store.load_recent_chain(head, ALICE, max_bytes=None)
+    assert everything == RecentChain(chain, omitted=False)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=sum(sizes)) == RecentChain(chain, False)
+    newest_two = sum(sizes[-2:])
+    assert await store.load_recent_chain(head, ALICE, max_bytes=newest_two) == RecentChain(chain[-2:], True)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=newest_two - 1) == RecentChain(
+        chain[-1:], True
+    )
+    # The response named is read whatever its size: it is what the request continues from.
+    assert await store.load_recent_chain(head, ALICE, max_bytes=0) == RecentChain(chain[-1:], True)
+    assert await store.load_recent_chain(chain[0].id, ALICE, max_bytes=0) == RecentChain(chain[:1], False)
+    # The depth bound still applies, and is not reported as a budget cut.
+    assert await store.load_recent_chain(head, ALICE, max_bytes=None, max_depth=2) == RecentChain(
+        chain[-2:], False
+    )
+
+    # A replaced response is weighed by what it holds now.
+    bigger = dataclasses.replace(chain[-1], history=[{"role": "user", "content": "y" * 50_000}])
+    await store.put_response(bigger)
+    assert await store.load_recent_chain(head, ALICE, max_bytes=50_000 + sizes[-2]) == RecentChain(
+        [bigger], True
+    )
+
+    with pytest.raises(errors.InvalidRequest):
+        await store.load_recent_chain(head, BOB, max_bytes=None)
+    with pytest.raises(ValueError):
+        await store.load_recent_chain(head, ALICE, max_bytes=-1)
+
+
 async def test_list_responses_with_status(store: Store) -> None:
     queued = response(status="queued", background=True, created_at=100)
     running = response(status="in_progress", background=True, created_at=50, owner=BOB)
@@ -515,6 +564,101 @@ async def test_concurrent_appends_keep_positions_unique_and_ordered(store: Store
     assert ids(stored[1:]) == [item_id for _, item_id in by_position]
 
 
+def sized(n: int, size: int, prefix: str = "msg") -> list[dict[str, Any]]:
+    """`n` items whose stored JSON is exactly `size` bytes each."""
+    out = []
+    for _ in range(n):
+        item: dict[str, Any] = {"id": rid(prefix), "type": "message", "role": "user", "content": ""}
+        item["content"] = "x" * (size - len(orjson.dumps(item)))
+        assert len(orjson.dumps(item)) == size
+        out.append(item)
+    return out
+
+
+async def test_conversation_size_counts_items_and_json_bytes(store: Store) -> None:
+    conv = conversation()
+    initial = sized(3, 100)
+    await store.create_conversation(conv, initial)
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(3, 300)
+    await store.add_conversation_items(conv.id, ALICE, sized(1, 250))
+    await store.delete_conversation_item(conv.id, initial[0]["id"], ALICE)
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(3, 450)
+    assert await store.conversation_size(conv.id, BOB) is None
+    assert await store.conversation_size(rid("conv"), ALICE) is None
+
+
+async def test_limits_refuse_an_append_past_them_and_write_nothing(store: Store) -> None:
+    limits = ConversationLimits(max_items=4, max_bytes=2000)
+    conv = conversation()
+    with pytest.raises(errors.InvalidRequest) as excinfo:
+        await store.create_conversation(conv, sized(5, 100), limits=limits)  # five items
+    assert (excinfo.value.param, excinfo.value.code) == ("items", "conversation_too_large")
+    assert await store.get_conversation(conv.id, ALICE) is None
+
+    await store.create_conversation(conv, sized(2, 300), limits=limits)
+    with pytest.raises(errors.InvalidRequest) as excinfo:
+        await store.add_conversation_items(conv.id, ALICE, sized(2, 701), limits=limits)  # 2002 bytes
+    assert excinfo.value.code == "conversation_too_large"
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(2, 600)
+    assert await store.add_conversation_items(conv.id, ALICE, sized(1, 700), limits=limits) is not None
+    with pytest.raises(errors.InvalidRequest):
+        await store.add_conversation_items(conv.id, ALICE, sized(2, 100), limits=limits)  # five items
+    assert await store.add_conversation_items(conv.id, ALICE, sized(1, 100), limits=limits) is not None
+    assert await store.add_conversation_items(conv.id, ALICE, [], limits=limits) == []
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(4, 1400)
+    # Without limits the store appends as before (the gateway always passes its own).
+    assert await store.add_conversation_items(conv.id, ALICE, sized(1, 100)) is not None
+    # Deleting makes room again.
+    held = await store.all_conversation_items(conv.id, ALICE)
+    assert held is not None
+    for item in held[:3]:
+        await store.delete_conversation_item(conv.id, item["id"], ALICE)
+    assert await store.add_conversation_items(conv.id, ALICE, sized(1, 300), limits=limits) is not None
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(3, 500)
+
+
+async def test_concurrent_appends_never_pass_the_limits_together(store: Store) -> None:
+    limits = ConversationLimits(max_items=100, max_bytes=1000)
+    conv = conversation()
+    await store.create_conversation(conv, [], limits=limits)
+
+    async def append(batch: list[dict[str, Any]]) -> bool:
+        try:
+            await store.add_conversation_items(conv.id, ALICE, batch, limits=limits)
+        except errors.InvalidRequest:
+            return False
+        return True
+
+    accepted = await asyncio.gather(*(append(sized(1, 100)) for _ in range(25)))
+    assert sum(accepted) == 10
+    assert await store.conversation_size(conv.id, ALICE) == ConversationSize(10, 1000)
+
+
+async def test_recent_items_read_the_newest_within_the_budget(store: Store) -> None:
+    conv = conversation()
+    held = sized(5, 100)
+    await store.create_conversation(conv, held[:2])
+    await store.add_conversation_items(conv.id, ALICE, held[2:])
+
+    assert await store.recent_conversation_items(conv.id, ALICE, max_bytes=None) == RecentItems(held, 0)
+    assert await store.recent_conversation_items(conv.id, ALICE, max_bytes=500) == RecentItems(held, 0)
+    assert await store.recent_conversation_items(conv.id, ALICE, max_bytes=499) == RecentItems(held[1:], 1)
+    assert await store.recent_conversation_items(conv.id, ALICE, max_bytes=200) == RecentItems(held[3:], 3)
+    assert await store.recent_conversation_items(conv.id, ALICE, max_bytes=99) == RecentItems([], 5)
+    # A contiguous tail: a large item stops the walk even if older, smaller ones would fit.
+    await store.add_conversation_items(conv.id, ALICE, sized(1, 1000))
+    newest = await store.recent_conversation_items(conv.id, ALICE, max_bytes=1050)
+    assert newest is not None and len(newest.items) == 1 and newest.omitted == 5
+    await store.delete_conversation_item(conv.id, held[4]["id"], ALICE)
+    recent = await store.recent_conversation_items(conv.id, ALICE, max_bytes=1200)
+    assert recent is not None and ids(recent.items)[:2] == ids(held[2:4]) and recent.omitted == 2
+
+    assert await store.recent_conversation_items(conv.id, BOB, max_bytes=None) is None
+    assert await store.recent_conversation_items(rid("conv"), ALICE, max_bytes=None) is None
+    with pytest.raises(ValueError):
+        await store.recent_conversation_items(conv.id, ALICE, max_bytes=-1)
+
+
 # -- retention -----------------------------------------------------------------------------------
 
 
@@ -609,3 +753,32 @@ async def test_add_value_keeps_the_first_writer(store: Store) -> None:
     results = await asyncio.gather(*(store.add_value(key, {"n": i}) for i in range(5)))
     assert len({r["n"] for r in results}) == 1
     assert await store.get_value(key, now=time.time()) == results[0]
+
+
+async def test_a_version_2_database_gets_item_sizes(sql_backend: Backend) -> None:
+    store = await sql_backend.open()
+    conv = conversation()
+    await store.create_conversation(conv, sized(3, 150))
+    first = response()
+    second = response(previous_response_id=first.id)
+    for r in (first, second):
+        await store.put_response(r)
+    # Make it look like a database written before items had sizes (schema version 2).
+    qualified = f'"{sql_backend.schema}".' if sql_backend.schema else ""
+    engine = store._engine  # type: ignore[attr-defined]
+    async with engine.begin() as conn:
+        await conn.exec_driver_sql(f"DROP INDEX {qualified}ix_conversation_items_size")
+        await conn.exec_driver_sql(f"ALTER TABLE {qualified}conversation_items DROP COLUMN size")
+        await conn.exec_driver_sql(f"ALTER TABLE {qualified}responses DROP COLUMN replay_size")
+        await conn.exec_driver_sql(f"DELETE FROM {qualified}schema_version WHERE version = 3")
+    await store.close()
+
+    upgraded = await sql_backend.open()
+    assert await upgraded.conversation_size(conv.id, ALICE) == ConversationSize(3, 450)
+    recent = await upgraded.recent_conversation_items(conv.id, ALICE, max_bytes=300)
+    assert recent is not None and len(recent.items) == 2 and recent.omitted == 1
+    both = replay_size(first) + replay_size(second)
+    assert await upgraded.load_recent_chain(second.id, ALICE, max_bytes=both) == RecentChain([first, second])
+    assert await upgraded.load_recent_chain(second.id, ALICE, max_bytes=both - 1) == RecentChain(
+        [second], True
+    )

@@ -132,7 +132,7 @@ async def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "v1.db") as conn:
         for table in ("workers", "worker_health", "leases"):
             conn.execute(f"DROP TABLE {table}")
-        conn.execute("DELETE FROM schema_version WHERE version = 2")
+        conn.execute("DELETE FROM schema_version WHERE version >= 2")
     store = open_store(url)
     await store.start()
     try:

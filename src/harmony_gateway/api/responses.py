@@ -12,7 +12,7 @@ from ..errors import InvalidRequest, NotFound
 from ..pipeline.responses_input import new_id, normalize_items
 from ..responses import cancel_response, run_responses
 from ..responses.events import stream_stored_events
-from ..storage.base import MAX_CONVERSATION_ITEMS, StoredConversation
+from ..storage.base import StoredConversation
 from ..types.responses import (
     ConversationCreate,
     ConversationItemsCreate,
@@ -142,7 +142,7 @@ async def create_conversation(request: Request) -> Response:
     conv = StoredConversation(
         id=new_id("conv"), owner=owner, created_at=int(time.time()), metadata=req.metadata or {}
     )
-    await state.store.create_conversation(conv, items)
+    await state.store.create_conversation(conv, items, limits=state.settings.conversation_limits)
     return json_response(_conversation_body(conv))
 
 
@@ -200,14 +200,9 @@ async def add_items(conversation_id: str, request: Request) -> Response:
     owner = owner_of(state, request)
     req = ConversationItemsCreate.model_validate(await json_body(request))
     items = normalize_items(req.items, param="items")
-    held = await state.store.count_conversation_items(conversation_id, owner)
-    if held is not None and held + len(items) > MAX_CONVERSATION_ITEMS:
-        raise InvalidRequest(
-            f"conversation {conversation_id!r} holds {held} items; a conversation holds at most "
-            f"{MAX_CONVERSATION_ITEMS}",
-            param="items",
-        )
-    added = await state.store.add_conversation_items(conversation_id, owner, items)
+    added = await state.store.add_conversation_items(
+        conversation_id, owner, items, limits=state.settings.conversation_limits
+    )
     if added is None:
         raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
     data = [entry.item for entry in added]

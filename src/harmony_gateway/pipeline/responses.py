@@ -2,8 +2,8 @@
 tools) mapped to one Harmony turn, and each generation's output parsed into the response builder.
 
 Harmony prompt for a turn = system + developer (this request's instructions and tools only) + the
-stored history of every response in the `previous_response_id` chain (oldest first) or the
-conversation's items + this request's input. Each stored response keeps its own turn's messages
+stored history of the responses in the `previous_response_id` chain (oldest first) or the
+conversation's items, as much of it as the context shows (`history_window`) + this request's input. Each stored response keeps its own turn's messages
 (input and generated, exactly as generated) so chains replay losslessly.
 
 What runs a response (the tool loop, storage, background runs, cancel) is the Responses service in
@@ -13,11 +13,14 @@ What runs a response (the tool loop, storage, background runs, cancel) is the Re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 from ..engines.base import EngineChunk, take_counts
 from ..errors import Conflict, InvalidRequest, NotFound
@@ -48,13 +51,15 @@ from ..mcp.tool_loop import (
     parse_gateway_tools,
 )
 from ..observability.tracing import traced
-from ..storage.base import MAX_CONVERSATION_ITEMS
+from ..storage.base import item_sizes, size_of
 from ..types.responses import ResponsesRequest
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
+from .history_window import history_byte_budget, history_too_long, newest_that_fit, truncates
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
+    LOOP_ENCODE_CHARS,
     HarmonyTurn,
     apply_tool_choice,
     forces_tool_call,
@@ -343,6 +348,8 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
                 param=f"{spec.param}.server_label",
             )
     items = normalize_items(req.input)
+    truncate = truncates(req.truncation)
+    context_tokens = group.info.max_context_length
 
     # History: the previous_response_id chain, or the conversation's items.
     history: list[Msg] = []
@@ -350,7 +357,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     known_items: list[dict[str, Any]] = []
     chain_root: str | None = None
     if req.previous_response_id:
-        chain = await store.load_chain(req.previous_response_id, ctx.owner)
+        # Only the newest responses the context could show are read (pipeline/history_window.py).
+        recent_chain = await store.load_recent_chain(
+            req.previous_response_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
+        )
+        if recent_chain.omitted and not truncate:
+            raise history_too_long(context_tokens)
+        chain = recent_chain.responses
         if chain[-1].status in ("queued", "in_progress"):
             # Its output is not known yet: continuing now would silently drop it from the history.
             raise Conflict(
@@ -359,7 +372,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
                 param="previous_response_id",
                 code="previous_response_in_progress",
             )
-        # Inherited along the chain, so it survives load_chain dropping the oldest ancestors.
+        # Inherited along the chain, so it survives the oldest ancestors being left unread.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
         started = chain[-1].metadata.get(DATE_KEY) or utc_date(chain[0].created_at)
         for record in chain:
@@ -368,17 +381,21 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             known_items.extend(record.response.get("output") or ())
     conversation_items: list[dict[str, Any]] = []
     if conversation_id:
-        found = await store.all_conversation_items(conversation_id, ctx.owner)
-        if found is None:
+        held = await store.conversation_size(conversation_id, ctx.owner)
+        if held is None:
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
-        if len(found) + len(items) > MAX_CONVERSATION_ITEMS:
-            raise InvalidRequest(
-                f"conversation {conversation_id!r} holds {len(found)} items; a conversation holds at most "
-                f"{MAX_CONVERSATION_ITEMS}: start a new one",
-                param="conversation",
-            )
-        conversation_items = found
-        known_items.extend(found)
+        # This input joins the conversation when the response ends: refuse it now, not after generating.
+        state.settings.conversation_limits.check(held, size_of(item_sizes(items)), param="conversation")
+        # Only the newest items the context could show are read (pipeline/history_window.py).
+        recent = await store.recent_conversation_items(
+            conversation_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
+        )
+        if recent is None:
+            raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
+        if recent.omitted and not truncate:
+            raise history_too_long(context_tokens)
+        conversation_items = recent.items
+        known_items.extend(conversation_items)
         started = await conversation_started(store, conversation_id, ctx.owner)
     call_names = call_names_of([*known_items, *items])
     by_id = {item.get("id"): item for item in known_items if item.get("id")}
@@ -463,6 +480,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             top_logprobs=(req.top_logprobs or 0) if logprobs else 0,
         )
         prepared = harmony_request(state, group, mapped)
+        history = await fit_history(state, prepared, history, turn, truncate=truncate)
         # Never derived from x-request-id: a client may reuse one, and a stored response must not be overwritten.
         response_id = new_id("resp")
         if chain_root is None and req.store and not conversation_id:
@@ -497,6 +515,30 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         if loop is not None:
             await loop.aclose()
         raise
+
+
+async def fit_history(
+    state: GatewayState, prepared: PreparedRequest, history: list[Msg], turn: list[Msg], *, truncate: bool
+) -> list[Msg]:
+    """The newest messages of `history` that fit the model's context with this turn: all of them when
+    they fit, else (`truncation: "auto"`) the newest that do. Raises InvalidRequest
+    `context_length_exceeded` when they do not fit and truncation is disabled. Counting stops at the
+    first message that does not fit, so an oversized history is never tokenized whole."""
+    context_tokens = prepared.group.info.max_context_length
+    if not context_tokens or not history:
+        return history
+    assert prepared.prefix is not None
+    count = functools.partial(newest_that_fit, state.renderer, prepared.prefix, history, turn, context_tokens)
+    chars = sum(len(m.text) for m in history) + sum(len(m.text) for m in turn)
+    if state.renderer.has_prefix(prepared.prefix) and chars <= LOOP_ENCODE_CHARS:
+        kept = count()
+    else:
+        kept = await anyio.to_thread.run_sync(count)
+    if kept == len(history):
+        return history
+    if not truncate:
+        raise history_too_long(context_tokens)
+    return history[len(history) - kept :]
 
 
 def _generated_messages(parser: tp.HarmonyOutputParser) -> list[Msg]:

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..engines.base import EngineChunk
-from ..errors import GatewayError, NotFound
+from ..errors import GatewayError, InvalidRequest, NotFound
 from ..pipeline.context import GatewayState, RequestContext
 from ..pipeline.reasoning_budget import budget_exceeded
 from ..pipeline.responses import (
@@ -27,7 +27,7 @@ from ..pipeline.responses import (
     token_texts,
 )
 from ..pipeline.responses_output import ResponseBuilder, ToolSlot, usage_of
-from ..storage.base import StoredResponse
+from ..storage.base import CONVERSATION_TOO_LARGE, StoredResponse
 from .runner import ACTIVE_STATUSES, RUNNER_KEY
 
 log = logging.getLogger(__name__)
@@ -181,9 +181,23 @@ async def persist(
         # An item_reference points at an item that is already stored (in this conversation or a
         # response): the conversation gets the new items only, never a second copy of that id.
         new_inputs = [item for item in plan.input_items if item.get("type") != "item_reference"]
-        added = await state.store.add_conversation_items(
-            plan.conversation_id, plan.owner, [*new_inputs, *body["output"]]
-        )
+        try:
+            added = await state.store.add_conversation_items(
+                plan.conversation_id,
+                plan.owner,
+                [*new_inputs, *body["output"]],
+                limits=state.settings.conversation_limits,
+            )
+        except InvalidRequest as exc:
+            if exc.code != CONVERSATION_TOO_LARGE:
+                raise
+            # The request passed the limits when it was prepared; its output (or a racing writer) did
+            # not fit. The response is stored, the conversation is not extended: say so on `conversation`.
+            raise InvalidRequest(
+                f"the response is stored but its items do not fit the conversation: {exc.message}",
+                param="conversation",
+                code=exc.code,
+            ) from exc
         if added is None:
             raise NotFound(f"Conversation with id {plan.conversation_id!r} not found", param="conversation")
     return True

@@ -9,9 +9,11 @@ any other owner is answered exactly as if the object did not exist.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
+
+import orjson
 
 from .. import errors
 
@@ -21,9 +23,67 @@ RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete
 Order = Literal["asc", "desc"]
 
 
-#: Items one conversation may hold: every Responses turn on it loads and renders them all, so the total
-#: is bounded like any other request input (a turn past it is refused with a 400 naming the param).
-MAX_CONVERSATION_ITEMS = 10_000
+#: Items one conversation may hold by default (`serve --max-conversation-items`). OpenAI documents 20
+#: items per create/add call and no total; a total keeps the per-conversation index walk bounded.
+DEFAULT_MAX_CONVERSATION_ITEMS = 10_000
+#: Stored bytes (items as JSON) one conversation may hold by default (`serve --max-conversation-bytes`):
+#: the default request body cap, about fifteen times what a 131k-token context can show of it.
+DEFAULT_MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
+#: The error code of an append refused by `ConversationLimits`.
+CONVERSATION_TOO_LARGE = "conversation_too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationLimits:
+    """Caps on one conversation's items, checked by the store against what it holds on every append,
+    under the same lock that orders the append: concurrent writers cannot together pass them."""
+
+    max_items: int = DEFAULT_MAX_CONVERSATION_ITEMS
+    max_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1 or self.max_bytes < 1:
+            raise ValueError("conversation limits must be at least 1")
+
+    def check(self, held: ConversationSize, adding: ConversationSize, *, param: str = "items") -> None:
+        """Raise errors.InvalidRequest (code `conversation_too_large`, `param`) if `held + adding`
+        passes a cap; an empty append always passes."""
+        if not adding.items:
+            return
+        if held.items + adding.items > self.max_items:
+            raise errors.InvalidRequest(
+                f"the conversation holds {held.items} items and this adds {adding.items}; a conversation "
+                f"holds at most {self.max_items}: start a new one",
+                param=param,
+                code=CONVERSATION_TOO_LARGE,
+            )
+        if held.bytes + adding.bytes > self.max_bytes:
+            raise errors.InvalidRequest(
+                f"the conversation holds {held.bytes} bytes of items and this adds {adding.bytes}; a "
+                f"conversation holds at most {self.max_bytes}: start a new one",
+                param=param,
+                code=CONVERSATION_TOO_LARGE,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSize:
+    """How many items a conversation holds and their stored size (each item's JSON, UTF-8 bytes)."""
+
+    items: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: ConversationSize) -> ConversationSize:
+        return ConversationSize(self.items + other.items, self.bytes + other.bytes)
+
+
+@dataclass(slots=True)
+class RecentItems:
+    """The newest items of a conversation that fit a byte budget, oldest first, and how many older
+    items were left unread (`omitted`): a caller that needs the whole history sees it was cut."""
+
+    items: list[dict[str, Any]]
+    omitted: int = 0
 
 
 @dataclass(slots=True)
@@ -49,6 +109,23 @@ class StoredResponse:
     background: bool = False
     request: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RecentChain:
+    """A `previous_response_id` chain, oldest first, read within a byte budget (`Store.load_recent_chain`);
+    `omitted` is True when an ancestor exists that the budget left unread."""
+
+    responses: list[StoredResponse]
+    omitted: bool = False
+
+
+def replay_size(response: StoredResponse) -> int:
+    """What continuing a chain reads of a response: its history, input items and Response, as stored
+    JSON bytes. TypeError if they are not JSON."""
+    return sum(
+        len(orjson.dumps(part)) for part in (response.history, response.input_items, response.response)
+    )
 
 
 @dataclass(slots=True)
@@ -202,6 +279,15 @@ class Store(Protocol):
         """
         ...
 
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
+        """`load_chain` within a byte budget: the response itself always, then its ancestors newest first
+        while their `replay_size`s (the response's own included) sum to at most `max_bytes` (None: no
+        budget). Ancestors past the budget are not read; `omitted` says one exists. Raises as
+        `load_chain` does, and ValueError for `max_bytes < 0`."""
+        ...
+
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
     ) -> list[StoredResponse]:
@@ -225,12 +311,16 @@ class Store(Protocol):
     # -- conversations --------------------------------------------------------------------------
 
     async def create_conversation(
-        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+        self,
+        conversation: StoredConversation,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem]:
         """Create a conversation with its initial items, atomically.
 
         Raises ValueError for an item without an `id`, errors.Conflict if the conversation id
-        exists or item ids repeat.
+        exists or item ids repeat, errors.InvalidRequest if the items pass `limits`.
         """
         ...
 
@@ -247,18 +337,42 @@ class Store(Protocol):
         ...
 
     async def add_conversation_items(
-        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        owner: str,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem] | None:
         """Append items in order after the existing ones; None if the conversation is not visible.
 
         Safe under concurrent appends from several processes: positions stay unique and each call's
-        items are contiguous. Raises ValueError for an item without an `id` (the API layer assigns
-        ids) and errors.Conflict for an id already in the conversation; nothing is written then.
+        items are contiguous, and `limits` (None: unlimited) is checked against what the conversation
+        holds at the moment of the append, so racing appenders never pass it together. Raises
+        ValueError for an item without an `id` (the API layer assigns ids), errors.Conflict for an
+        id already in the conversation and errors.InvalidRequest (`ConversationLimits.check`) past a
+        limit; nothing is written then.
         """
         ...
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         """How many items the conversation holds; None if it is not visible."""
+        ...
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ConversationSize | None:
+        """How many items the conversation holds and their stored bytes; None if it is not visible."""
+        ...
+
+    async def recent_conversation_items(
+        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    ) -> RecentItems | None:
+        """The newest items whose stored sizes sum to at most `max_bytes` (None: every item), in
+        position order; None if the conversation is not visible.
+
+        Older items are not read at all (only their sizes are): loading a history costs the budget,
+        not the conversation. The walk stops at the first item that does not fit, so the result is
+        always a contiguous tail of the conversation. Raises ValueError for `max_bytes < 0`.
+        """
         ...
 
     async def list_conversation_items(
@@ -280,7 +394,8 @@ class Store(Protocol):
     async def delete_conversation_item(self, conversation_id: str, item_id: str, owner: str) -> bool: ...
 
     async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
-        """Every item dict in position order (for building prompts); None if not visible."""
+        """Every item dict in position order; None if not visible. Prompts load
+        `recent_conversation_items` instead, which reads no more than the context can show."""
         ...
 
     # -- gateway values -------------------------------------------------------------------------
@@ -358,6 +473,37 @@ def check_new_item_ids(ids: Sequence[str], existing: set[str]) -> None:
         if item_id in seen:
             raise errors.Conflict(f"Item '{item_id}' is already in the conversation.", param="items")
         seen.add(item_id)
+
+
+def item_sizes(items: Sequence[dict[str, Any]]) -> list[int]:
+    """Each item's stored size: its JSON (orjson, UTF-8) in bytes. TypeError if one is not JSON."""
+    return [len(orjson.dumps(item)) for item in items]
+
+
+def size_of(sizes: Sequence[int]) -> ConversationSize:
+    return ConversationSize(len(sizes), sum(sizes))
+
+
+def check_budget(max_bytes: int | None) -> None:
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be at least 0, got {max_bytes}")
+
+
+def newest_within(sizes_newest_first: Iterable[int], max_bytes: int | None) -> int:
+    """How many of the newest items fit `max_bytes` (see `Store.recent_conversation_items`)."""
+    check_budget(max_bytes)
+    kept = total = 0
+    for size in sizes_newest_first:
+        total += size
+        if max_bytes is not None and total > max_bytes:
+            break
+        kept += 1
+    return kept
+
+
+def within_budget(sizes_newest_first: Sequence[int], max_bytes: int | None) -> int:
+    """How many responses of a walked chain `Store.load_recent_chain` keeps: the newest always."""
+    return min(len(sizes_newest_first), max(1, newest_within(sizes_newest_first, max_bytes)))
 
 
 def check_page_args(limit: int, order: str) -> None:

@@ -20,21 +20,30 @@ from .. import errors
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
+    ConversationLimits,
+    ConversationSize,
     Order,
     Page,
+    RecentChain,
+    RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
     WorkerHealth,
+    check_budget,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
     item_ids,
     make_page,
+    newest_within,
     paginate,
     previous_response_not_found,
+    replay_size,
     sequence_numbers,
+    size_of,
     unknown_cursor,
+    within_budget,
     worker_health_key,
 )
 
@@ -45,6 +54,19 @@ DEFAULT_MAX_VALUES = 100_000
 
 def _copy(value: Any) -> Any:
     return orjson.loads(orjson.dumps(value))
+
+
+def _copy_items(items: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Copies of the items and their stored sizes (`base.item_sizes`), from one serialisation each.
+
+    One item at a time: orjson's output keeps the buffer it reserved (about fifteen times the JSON for
+    long strings) until it is freed, so a list of them would hold that for every item at once."""
+    copies, sizes = [], []
+    for item in items:
+        raw = orjson.dumps(item)
+        copies.append(orjson.loads(raw))
+        sizes.append(len(raw))
+    return copies, sizes
 
 
 def _copy_response(response: StoredResponse) -> StoredResponse:
@@ -62,7 +84,12 @@ def _copy_response(response: StoredResponse) -> StoredResponse:
 class _Conversation:
     record: StoredConversation
     items: list[ConversationItem] = field(default_factory=list)
+    #: Each item's stored size, by item id.
+    sizes: dict[str, int] = field(default_factory=dict)
     next_position: int = 0
+
+    def size(self) -> ConversationSize:
+        return ConversationSize(len(self.items), sum(self.sizes.values()))
 
 
 class MemoryStore:
@@ -87,6 +114,8 @@ class MemoryStore:
         # Insertion order is creation order, so the first entry is the one to evict.
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._events: dict[str, dict[int, dict[str, Any]]] = {}
+        #: Each stored response's `replay_size`, by id.
+        self._replay_sizes: dict[str, int] = {}
         self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
         #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
         self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
@@ -107,10 +136,13 @@ class MemoryStore:
         if response.status not in RESPONSE_STATUSES:
             raise ValueError(f"unknown response status {response.status!r}")
         item_ids(response.input_items)
+        size = replay_size(response)
         self._responses[response.id] = _copy_response(response)
+        self._replay_sizes[response.id] = size
         while len(self._responses) > self.max_responses:
             evicted, _ = self._responses.popitem(last=False)
             self._events.pop(evicted, None)
+            self._replay_sizes.pop(evicted, None)
 
     async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
         if response.status not in RESPONSE_STATUSES:
@@ -119,8 +151,10 @@ class MemoryStore:
         stored = self._visible(response.id, response.owner)
         if stored is None or stored.status not in from_statuses:
             return False
+        size = replay_size(response)
         # Replaced in place: the response keeps its position in the eviction order.
         self._responses[response.id] = _copy_response(response)
+        self._replay_sizes[response.id] = size
         return True
 
     async def get_response_status(self, response_id: str) -> str | None:
@@ -140,6 +174,7 @@ class MemoryStore:
             return False
         del self._responses[response_id]
         self._events.pop(response_id, None)
+        self._replay_sizes.pop(response_id, None)
         return True
 
     async def list_input_items(
@@ -159,21 +194,30 @@ class MemoryStore:
         return page
 
     async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        return (
+            await self.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)
+        ).responses
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
         check_max_depth(max_depth)
+        check_budget(max_bytes)
         if self._visible(response_id, owner) is None:
             raise previous_response_not_found(response_id)
-        chain: list[StoredResponse] = []
+        walked: list[StoredResponse] = []
         seen: set[str] = set()
         current: str | None = response_id
-        while current is not None and current not in seen and len(chain) < max_depth:
+        while current is not None and current not in seen and len(walked) < max_depth:
             stored = self._visible(current, owner)
             if stored is None:
                 break
             seen.add(current)
-            chain.append(_copy_response(stored))
+            walked.append(stored)
             current = stored.previous_response_id
-        chain.reverse()
-        return chain
+        kept = within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
+        chain = [_copy_response(r) for r in reversed(walked[:kept])]
+        return RecentChain(chain, omitted=kept < len(walked))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
@@ -205,7 +249,11 @@ class MemoryStore:
         return conversation if conversation is not None and conversation.record.owner == owner else None
 
     async def create_conversation(
-        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+        self,
+        conversation: StoredConversation,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem]:
         ids = item_ids(items)
         check_new_item_ids(ids, set())
@@ -213,20 +261,23 @@ class MemoryStore:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
-        copies = _copy(list(items))
+        copies, sizes = _copy_items(items)
+        if limits is not None:
+            limits.check(ConversationSize(), size_of(sizes))
         entry = _Conversation(record=record)
         self._conversations[conversation.id] = entry
         while len(self._conversations) > self.max_conversations:
             self._conversations.popitem(last=False)
-        return self._append(entry, ids, copies)
+        return self._append(entry, ids, copies, sizes)
 
     def _append(
-        self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]]
+        self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]], sizes: list[int]
     ) -> list[ConversationItem]:
         now = int(time.time())
         added = []
-        for item_id, item in zip(ids, copies, strict=True):
+        for item_id, item, size in zip(ids, copies, sizes, strict=True):
             added.append(ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
+            entry.sizes[item_id] = size
             entry.next_position += 1
         entry.items.extend(added)
         return [replace(a, item=_copy(a.item)) for a in added]
@@ -251,18 +302,41 @@ class MemoryStore:
         return True
 
     async def add_conversation_items(
-        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        owner: str,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem] | None:
         ids = item_ids(items)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        check_new_item_ids(ids, {i.id for i in entry.items})
-        return self._append(entry, ids, _copy(list(items)))
+        check_new_item_ids(ids, set(entry.sizes))
+        copies, sizes = _copy_items(items)
+        if limits is not None:
+            limits.check(entry.size(), size_of(sizes))
+        return self._append(entry, ids, copies, sizes)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         entry = self._conversation(conversation_id, owner)
         return len(entry.items) if entry is not None else None
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ConversationSize | None:
+        entry = self._conversation(conversation_id, owner)
+        return entry.size() if entry is not None else None
+
+    async def recent_conversation_items(
+        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    ) -> RecentItems | None:
+        check_budget(max_bytes)
+        entry = self._conversation(conversation_id, owner)
+        if entry is None:
+            return None
+        kept = newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
+        tail = entry.items[len(entry.items) - kept :]
+        return RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
 
     async def list_conversation_items(
         self,
@@ -303,10 +377,10 @@ class MemoryStore:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return False
-        kept = [i for i in entry.items if i.id != item_id]
-        deleted = len(kept) != len(entry.items)
-        entry.items = kept
-        return deleted
+        if entry.sizes.pop(item_id, None) is None:
+            return False
+        entry.items = [i for i in entry.items if i.id != item_id]
+        return True
 
     async def all_conversation_items(self, conversation_id: str, owner: str) -> list[dict[str, Any]] | None:
         entry = self._conversation(conversation_id, owner)
@@ -345,6 +419,7 @@ class MemoryStore:
         for response_id in expired:
             del self._responses[response_id]
             self._events.pop(response_id, None)
+            self._replay_sizes.pop(response_id, None)
         return len(expired)
 
     # -- shared worker registry -----------------------------------------------------------------

@@ -37,28 +37,38 @@ from .. import errors
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
+    ConversationLimits,
+    ConversationSize,
     Order,
     Page,
+    RecentChain,
+    RecentItems,
     StoredConversation,
     StoredResponse,
     StoredWorker,
     WorkerHealth,
+    check_budget,
     check_max_depth,
     check_new_item_ids,
     check_page_args,
     item_ids,
+    item_sizes,
     make_page,
+    newest_within,
     paginate,
     previous_response_not_found,
+    replay_size,
     sequence_numbers,
+    size_of,
     unknown_cursor,
+    within_budget,
     worker_health_key,
 )
 
 logger = logging.getLogger(__name__)
 
 #: The schema version this code writes; `start()` refuses a database with a newer one.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: How long a SQLite writer waits for another process's write lock before failing (ms).
 SQLITE_BUSY_TIMEOUT_MS = 10_000
@@ -105,6 +115,8 @@ responses = sa.Table(
     sa.Column("history", _Json, nullable=False),
     sa.Column("request", _Json, nullable=False),
     sa.Column("metadata", _Json, nullable=False),
+    # Version 3: `base.replay_size`, so a chain walk weighs its ancestors without reading them.
+    sa.Column("replay_size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ix_responses_owner_id", "owner", "id"),
     sa.Index("ix_responses_status", "status"),
     sa.Index("ix_responses_created_at", "created_at"),
@@ -139,7 +151,12 @@ conversation_items = sa.Table(
     sa.Column("item_id", sa.Text, nullable=False),
     sa.Column("item", _Json, nullable=False),
     sa.Column("created_at", sa.BigInteger, nullable=False),
+    # Version 3: the item's JSON in bytes, for the conversation limits and budgeted history reads.
+    sa.Column("size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ux_conversation_items_item_id", "conversation_id", "item_id", unique=True),
+    # Covers the size walks: they never touch the item payloads (SQLite would read a large item's
+    # overflow pages to reach a column stored after it).
+    sa.Index("ix_conversation_items_size", "conversation_id", "position", "size"),
 )
 
 
@@ -194,8 +211,45 @@ def _create_v2(conn: Connection) -> None:
     metadata.create_all(conn, tables=[gateway_values, workers, worker_health, leases], checkfirst=True)
 
 
+def _add_sizes_v3(conn: Connection) -> None:
+    """`conversation_items.size` (with its covering index) and `responses.replay_size`, filled in from
+    the stored JSON. A database created at version 1 by this code already has them (version 1 creates
+    the current tables)."""
+    schema = conn.get_execution_options().get("schema_translate_map", {}).get(None)
+    inspector = sa.inspect(conn)
+    quote = conn.dialect.identifier_preparer
+
+    def octets(column: sa.ColumnElement[Any]) -> sa.ColumnElement[int]:
+        if conn.dialect.name == "postgresql":
+            return sa.func.octet_length(column)
+        return sa.func.length(sa.cast(column, sa.LargeBinary))
+
+    def add_column(table: sa.Table, column: str, value: sa.ColumnElement[Any]) -> None:
+        if column in {c["name"] for c in inspector.get_columns(table.name, schema=schema)}:
+            return
+        name = quote.quote(table.name)
+        if schema is not None:
+            name = f"{quote.quote_schema(schema)}.{name}"
+        conn.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {column} BIGINT NOT NULL DEFAULT 0")
+        conn.execute(sa.update(table).values({column: value}))
+
+    add_column(conversation_items, "size", octets(conversation_items.c.item))
+    add_column(
+        responses,
+        "replay_size",
+        octets(responses.c.history) + octets(responses.c.input_items) + octets(responses.c.response),
+    )
+    for index in conversation_items.indexes:
+        if index.name == "ix_conversation_items_size":
+            index.create(conn, checkfirst=True)
+
+
 #: version -> migration that brings the database from version - 1 to it.
-_MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _create_v2}
+_MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _create_v1,
+    2: _create_v2,
+    3: _add_sizes_v3,
+}
 
 
 def _migrate(conn: Connection) -> None:
@@ -334,6 +388,7 @@ def _response_values(r: StoredResponse) -> dict[str, Any]:
         "history": r.history,
         "request": r.request,
         "metadata": r.metadata,
+        "replay_size": replay_size(r),
     }
 
 
@@ -499,44 +554,58 @@ class SqlStore:
         return paginate(row.input_items, after=after, limit=limit, order=order)
 
     async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
+        return (
+            await self.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)
+        ).responses
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain:
         check_max_depth(max_depth)
-        # Walk the ids in one recursive query; the depth bound also ends a cycle.
+        check_budget(max_bytes)
+        # Walk the ids and sizes in one recursive query; the depth bound also ends a cycle.
         start = sa.select(
             responses.c.id,
             responses.c.previous_response_id,
+            responses.c.replay_size,
             sa.literal_column("1", sa.Integer).label("depth"),
         ).where(responses.c.id == response_id, responses.c.owner == owner)
         walk = start.cte("chain", recursive=True)
         parent = responses.alias("parent")
         walk = walk.union_all(
-            sa.select(parent.c.id, parent.c.previous_response_id, walk.c.depth + 1)
+            sa.select(parent.c.id, parent.c.previous_response_id, parent.c.replay_size, walk.c.depth + 1)
             .join_from(walk, parent, parent.c.id == walk.c.previous_response_id)
             .where(parent.c.owner == owner, walk.c.depth < max_depth)
         )
         async with self._read() as conn:
-            walked = (await conn.execute(sa.select(walk.c.id).order_by(walk.c.depth))).scalars().all()
+            walked = (
+                await conn.execute(sa.select(walk.c.id, walk.c.replay_size).order_by(walk.c.depth))
+            ).all()
             ids: list[str] = []
-            for walked_id in walked:
+            sizes: list[int] = []
+            for walked_id, size in walked:
                 if walked_id in ids:
                     logger.warning("previous_response_id cycle at %s; chain cut there", walked_id)
                     break
                 ids.append(walked_id)
+                sizes.append(int(size))
             if not ids:
                 raise previous_response_not_found(response_id)
+            kept = ids[: within_budget(sizes, max_bytes)]
             rows = await conn.execute(
-                sa.select(responses).where(responses.c.id.in_(ids), responses.c.owner == owner)
+                sa.select(responses).where(responses.c.id.in_(kept), responses.c.owner == owner)
             )
             by_id = {row.id: _response_from_row(row) for row in rows}
         chain: list[StoredResponse] = []
         # A response deleted between the two queries ends the walk like a missing ancestor.
-        for walked_id in ids:
+        for walked_id in kept:
             if walked_id not in by_id:
                 break
             chain.append(by_id[walked_id])
         if not chain:
             raise previous_response_not_found(response_id)
         chain.reverse()
-        return chain
+        return RecentChain(chain, omitted=len(kept) < len(ids))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
@@ -584,6 +653,7 @@ class SqlStore:
         first_position: int,
         ids: list[str],
         items: Sequence[dict[str, Any]],
+        sizes: list[int],
     ) -> list[ConversationItem]:
         now = int(time.time())
         added = [
@@ -600,17 +670,25 @@ class SqlStore:
                         "item_id": a.id,
                         "item": a.item,
                         "created_at": a.created_at,
+                        "size": size,
                     }
-                    for a in added
+                    for a, size in zip(added, sizes, strict=True)
                 ],
             )
         return added
 
     async def create_conversation(
-        self, conversation: StoredConversation, items: Sequence[dict[str, Any]]
+        self,
+        conversation: StoredConversation,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem]:
         ids = item_ids(items)
         check_new_item_ids(ids, set())
+        sizes = item_sizes(items)
+        if limits is not None:
+            limits.check(ConversationSize(), size_of(sizes))
         try:
             async with self._write() as conn:
                 await conn.execute(
@@ -622,7 +700,7 @@ class SqlStore:
                         next_position=len(ids),
                     )
                 )
-                return await self._insert_items(conn, conversation.id, 0, ids, items)
+                return await self._insert_items(conn, conversation.id, 0, ids, items, sizes)
         except sa.exc.IntegrityError as exc:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.") from exc
 
@@ -664,9 +742,15 @@ class SqlStore:
         return True
 
     async def add_conversation_items(
-        self, conversation_id: str, owner: str, items: Sequence[dict[str, Any]]
+        self,
+        conversation_id: str,
+        owner: str,
+        items: Sequence[dict[str, Any]],
+        *,
+        limits: ConversationLimits | None = None,
     ) -> list[ConversationItem] | None:
         ids = item_ids(items)
+        sizes = item_sizes(items)
         async with self._write() as conn:
             # The row lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE holds the database
             # lock) makes concurrent appenders take turns on next_position.
@@ -690,7 +774,10 @@ class SqlStore:
                 )
             ).scalars()
             check_new_item_ids(ids, set(existing))
-            added = await self._insert_items(conn, conversation_id, next_position, ids, items)
+            if limits is not None:
+                # Under the row lock: a racing appender waits for this commit, then counts these items.
+                limits.check(await self._size(conn, conversation_id), size_of(sizes))
+            added = await self._insert_items(conn, conversation_id, next_position, ids, items, sizes)
             await conn.execute(
                 sa.update(conversations)
                 .where(conversations.c.id == conversation_id)
@@ -704,6 +791,53 @@ class SqlStore:
             if not await self._conversation_visible(conn, conversation_id, owner):
                 return None
             return int((await conn.execute(query)).scalar() or 0)
+
+    @staticmethod
+    async def _size(conn: AsyncConnection, conversation_id: str) -> ConversationSize:
+        held = (
+            await conn.execute(
+                sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(conversation_items.c.size), 0)).where(
+                    conversation_items.c.conversation_id == conversation_id
+                )
+            )
+        ).one()
+        return ConversationSize(int(held[0]), int(held[1]))
+
+    async def conversation_size(self, conversation_id: str, owner: str) -> ConversationSize | None:
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            return await self._size(conn, conversation_id)
+
+    async def recent_conversation_items(
+        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    ) -> RecentItems | None:
+        check_budget(max_bytes)
+        position = conversation_items.c.position
+        of_conversation = conversation_items.c.conversation_id == conversation_id
+        async with self._read() as conn:
+            if not await self._conversation_visible(conn, conversation_id, owner):
+                return None
+            # Positions and sizes only (the covering index), newest first; then the payloads of the
+            # tail that fits, bounded above as well so an append in between adds nothing unbudgeted.
+            sized = (
+                await conn.execute(
+                    sa.select(position, conversation_items.c.size)
+                    .where(of_conversation)
+                    .order_by(position.desc())
+                )
+            ).all()
+            kept = newest_within((row.size for row in sized), max_bytes)
+            if not kept:
+                return RecentItems([], omitted=len(sized))
+            rows = await conn.execute(
+                sa.select(conversation_items.c.item)
+                .where(of_conversation, position >= sized[kept - 1].position, position <= sized[0].position)
+                .order_by(position)
+            )
+            items = list(rows.scalars())
+        # An item deleted in between leaves a gap: it is simply not there, as it would not be later.
+        return RecentItems(items, omitted=len(sized) - kept)
 
     async def list_conversation_items(
         self,
