@@ -78,6 +78,9 @@ _MAX_CHANNEL_TOKENS = 4
 #: A message header (role, channel, recipient, content type) longer than this is malformed: real ones are a
 #: few tokens, and tool names are at most 64 characters.
 MAX_HEADER_TOKENS = 256
+#: Nor may its channel, recipient or content type be longer than this (a token can hold many characters).
+MAX_HEADER_FIELD_CHARS = 256
+_LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
 
 # Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of harmony_channel_parse_errors_total).
@@ -88,6 +91,10 @@ RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not a
 RECOVERED_LONG_HEADER = "header_too_long"  # a header over MAX_HEADER_TOKENS, skipped to the next <|start|>
 # Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
 # not the final answer, or analysis/commentary written after the final answer.
+
+
+def _too_long(*fields: str | None) -> bool:
+    return any(field is not None and len(field) > MAX_HEADER_FIELD_CHARS for field in fields)
 
 
 def new_call_id() -> str:
@@ -600,13 +607,20 @@ class HarmonyOutputParser:
                     parser = self._parser
                     continue
                 if token == MESSAGE:
+                    channel, recipient = parser.current_channel, parser.current_recipient
+                    content_type = parser.current_content_type
+                    if _too_long(channel, recipient, content_type):
+                        replay = self._recover(RECOVERED_LONG_HEADER, _LONG_FIELD, token, events)
+                        if replay:
+                            self.output_tokens -= len(replay)  # counted again as they are fed
+                            events += self._feed_slow(replay)
+                        else:
+                            self.ignored_tokens += 1
+                        parser = self._parser
+                        continue
                     role = parser.current_role
-                    msg = self.classify(
-                        parser.current_channel,
-                        parser.current_recipient,
-                        role.value if role is not None else None,
-                    )
-                    msg.content_type = parser.current_content_type
+                    msg = self.classify(channel, recipient, role.value if role is not None else None)
+                    msg.content_type = content_type
                     msg.tokens = self._header_tokens + 1
                     self._header_tokens = 0
                     self._header_ids.clear()
@@ -652,6 +666,9 @@ class HarmonyOutputParser:
             return
         if terminator is None and not text:
             return  # a header cut by the end of output: nothing was said
+        if _too_long(channel, recipient, content_type):
+            self._recovered(RECOVERED_LONG_HEADER, _LONG_FIELD)
+            return
         msg = self.classify(channel, recipient, role)
         msg.content_type = content_type
         msg.tokens = tokens
