@@ -132,6 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_header_bytes=args.max_header_bytes,
         max_headers=args.max_headers,
         max_connections=args.max_connections,
+        max_parse_tokens=args.max_parse_tokens,
         max_retries=args.max_retries,
         max_batch_size=args.max_batch_size,
         batch_concurrency=args.batch_concurrency,
@@ -614,6 +615,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="open connections above which new requests get 503 (default: no cap but the open-file "
         "limit, which start-up raises to its hard maximum)",
+    )
+    limits.add_argument(
+        "--max-parse-tokens",
+        type=int,
+        default=131_072,
+        metavar="N",
+        help="most token ids POST /v1/harmony/parse reads; more are a 400 (default 131072)",
     )
 
 

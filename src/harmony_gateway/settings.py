@@ -143,6 +143,9 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    #: Most token ids `POST /v1/harmony/parse` reads (a text is encoded first; it may hold 8 characters a
+    #: token); a larger input is a 400 naming `token_ids` or `text`.
+    max_parse_tokens: int = 131_072
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""
