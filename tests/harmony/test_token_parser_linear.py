@@ -5,6 +5,7 @@ messages, counts and errors it gives on top of openai-harmony's own `StreamableP
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,10 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai_harmony import HarmonyEncoding, Role, StreamableParser
 
+from harmony_gateway.engines.base import EngineChunk
 from harmony_gateway.errors import UpstreamBadOutput
 from harmony_gateway.harmony import stream_parser
 from harmony_gateway.harmony import token_parser as tp
 from harmony_gateway.harmony.encoding import CALL, END, RETURN, START, get_encoding
+from harmony_gateway.pipeline.parse_output import CONTENT, ChoiceOutput
 
 from .test_stream_parser import CONTROL, sequences
 from .test_token_parser import ids, ordinary, summary
@@ -85,13 +88,10 @@ def test_same_as_on_openai_harmony_with_the_header_cap(tokens: list[int], data: 
     assert linear == reference
 
 
-@pytest.mark.parametrize(
-    "unit", [[START], *[[t] for t in CONTROL], ids("<|start|><|channel|><|constrain|>a")]
-)
-def test_work_per_token_is_bounded(unit: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Deterministic cost: header tokens decoded (StreamParser) and header or message tokens serialised
-    (openai-harmony's `state`) stay within a constant per token fed; openai-harmony's quadratic read of
-    its state after every control token made them n²/2 for a run of `<|start|>`."""
+@pytest.fixture
+def header_work(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts header tokens decoded (StreamParser) and header or message tokens serialised by reading
+    openai-harmony's `StreamableParser.state`: the work that grew with the header before."""
     work = [0]
     decode_header = stream_parser.StreamParser._decode_header
     state_data = StreamableParser.state_data
@@ -107,15 +107,43 @@ def test_work_per_token_is_bounded(unit: list[int], monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(stream_parser.StreamParser, "_decode_header", counted_decode)
     monkeypatch.setattr(StreamableParser, "state_data", property(counted_state))
+    return work
+
+
+@pytest.mark.parametrize(
+    "unit", [[START], *[[t] for t in CONTROL], ids("<|start|><|channel|><|constrain|>a")]
+)
+def test_work_per_token_is_bounded(unit: list[int], header_work: list[int]) -> None:
+    """Deterministic cost: within a constant per token fed; openai-harmony's read of its state after every
+    control token made it n²/2 for a run of `<|start|>`."""
     for n in (2_000, 8_000):
-        work[0] = 0
+        header_work[0] = 0
         tokens = (unit * n)[:n] + ids("<|start|>assistant<|channel|>final<|message|>ok<|return|>")
         parser = tp.HarmonyOutputParser(get_encoding())
         parser.feed(tokens)
         parser.finish()
         if unit[0] not in (RETURN, CALL):  # those end the reply: what follows is ignored
             assert parser.messages[-1].text == "ok"
-        assert work[0] <= 2 * len(tokens)
+        assert header_work[0] <= 2 * len(tokens)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 16, None])
+def test_a_degenerate_engine_stream_costs_linear_work(chunk_size: int | None, header_work: list[int]) -> None:
+    """The engine path (`ChoiceOutput.feed`, streamed or whole): a model stuck writing `<|start|>` 65,536
+    times, then answering, gives the answer at bounded work per token."""
+    tokens = [START] * 65_536 + ids("<|start|>assistant<|channel|>final<|message|>ok<|return|>")
+    size = chunk_size or len(tokens)
+    state = SimpleNamespace(encoding=get_encoding())
+    prepared = SimpleNamespace(function_names=frozenset(), tool_namespaces=frozenset(), stop_strings=())
+    choice = ChoiceOutput(state, prepared, 0)  # type: ignore[arg-type]
+    deltas = []
+    for at in range(0, len(tokens), size):
+        last = at + size >= len(tokens)
+        chunk = tokens[at : at + size]
+        deltas += choice.feed(EngineChunk(0, chunk, 0, 0, 0, None, last, "stop" if last else None))
+    assert deltas == [(CONTENT, "ok")]
+    assert choice.parser.recoveries == {tp.RECOVERED_LONG_HEADER: 65_536 // tp.MAX_HEADER_TOKENS}
+    assert header_work[0] <= 2 * len(tokens)
 
 
 def test_a_run_of_start_tokens_is_skipped_in_bounded_headers() -> None:

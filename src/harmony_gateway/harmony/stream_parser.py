@@ -14,6 +14,7 @@ Only what `HarmonyOutputParser` reads is kept: completed messages carry their he
 from __future__ import annotations
 
 import functools
+import unicodedata
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -278,11 +279,16 @@ def _split_ascii_whitespace(text: str) -> list[str]:
 
 
 def _rust_debug(text: str) -> str:
-    """`{:?}` of a Rust string, for the common characters (quotes, backslashes, control characters)."""
+    """`{:?}` of a Rust string: quotes, backslashes and control characters escaped, and so are combining
+    marks (Grapheme_Extend, approximated by categories Mn/Me) and unprintable characters as `\\u{hex}`.
+    Only an error message depends on it; characters new in Unicode after Python's tables may differ."""
     out = []
     for c in text:
         escaped = _RUST_ESCAPES.get(c)
-        if escaped is None and (c < " " or "\x7f" <= c <= "\x9f"):
+        if escaped is None and (
+            unicodedata.category(c) in ("Mn", "Me")
+            or (not c.isprintable() and unicodedata.category(c) != "Zs")
+        ):
             escaped = f"\\u{{{ord(c):x}}}"
         out.append(escaped or c)
     return '"' + "".join(out) + '"'
