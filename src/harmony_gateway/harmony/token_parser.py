@@ -1,7 +1,8 @@
 """Incremental classification of generated Harmony tokens into reasoning, answer text and tool calls.
 
 One `HarmonyOutputParser` per choice wraps `StreamParser` (openai-harmony's `StreamableParser`, non-strict,
-in linear time) and turns its state into events, decided per token and identically for streaming and non-streaming (REFERENCE §3.1):
+in linear time) and turns its state into events, decided per token and identically for streaming and
+non-streaming (REFERENCE §3.1):
 
 - `(START, msg, None)` when a message header is complete (its kind is known from recipient and channel),
 - `(DELTA, msg, text)` for each piece of content text,
@@ -11,7 +12,7 @@ Recoverable quirks of real gpt-oss output are tolerated: tokens after a complete
 refusals without `<|message|>` (harmony#80), bare recipients. Malformed spans (a doubled
 `<|start|>assistant`, text between messages, a control token inside a message, junk in a header) close the
 message they interrupt with what it had, and parsing resumes at the next `<|start|>`; so does a header
-longer than `MAX_HEADER_TOKENS`, which bounds the channel, recipient and content type. Each recovery is
+longer than `MAX_HEADER_TOKENS` or with a field longer than `MAX_HEADER_FIELD_CHARS`. Each recovery is
 counted by kind in `recoveries`. Text on a channel other than analysis/commentary/final is reasoning, never
 answer text. Output from which nothing usable was parsed raises `UpstreamBadOutput` when it ends, so no
 special-token text ever reaches a client.
@@ -76,9 +77,10 @@ _F_CONTENT = 4  # message text, until <|end|>, <|return|> or <|call|>
 _F_STOPPED = 5  # after <|return|>/<|call|>, or after `finish`: anything more falls back
 _MAX_CHANNEL_TOKENS = 4
 #: A message header (role, channel, recipient, content type) longer than this is malformed: real ones are a
-#: few tokens, and tool names are at most 64 characters.
+#: few tokens. Bounding it bounds the parser's work per header.
 MAX_HEADER_TOKENS = 256
-#: Nor may its channel, recipient or content type be longer than this (a token can hold many characters).
+#: Nor may its channel, recipient or content type be longer than this (one token can hold many characters;
+#: tool names are at most 64).
 MAX_HEADER_FIELD_CHARS = 256
 _LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
@@ -88,12 +90,15 @@ RECOVERED_HEADER = "broken_header"  # a header openai-harmony rejects (doubled <
 RECOVERED_STRAY_TEXT = "stray_text"  # tokens between messages, skipped up to the next <|start|>
 RECOVERED_CONTROL_IN_CONTENT = "control_token_in_content"  # a control token where text was expected
 RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not analysis/commentary/final
-RECOVERED_LONG_HEADER = "header_too_long"  # a header over MAX_HEADER_TOKENS, skipped to the next <|start|>
+RECOVERED_LONG_HEADER = (
+    "header_too_long"  # a header or header field over its cap, skipped to the next <|start|>
+)
 # Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
 # not the final answer, or analysis/commentary written after the final answer.
 
 
 def _too_long(*fields: str | None) -> bool:
+    """Some header field is longer than MAX_HEADER_FIELD_CHARS."""
     return any(field is not None and len(field) > MAX_HEADER_FIELD_CHARS for field in fields)
 
 
@@ -371,6 +376,15 @@ class HarmonyOutputParser:
         self._resync = not replay
         return replay
 
+    def _skip_malformed(self, kind: str, reason: str, token: int, events: list[Event]) -> None:
+        """`_recover` from a malformed span ended by `token`: feed what it gives back, or skip `token`."""
+        replay = self._recover(kind, reason, token, events)
+        if replay:
+            self.output_tokens -= len(replay)  # counted again as they are fed
+            events += self._feed_slow(replay)
+        else:
+            self.ignored_tokens += 1
+
     def _abandon_header(self) -> None:
         """A header longer than `max_header_tokens` (a degenerate run of control tokens or text) is
         malformed: dropped unparsed, and parsing resumes at the next `<|start|>`."""
@@ -569,12 +583,7 @@ class HarmonyOutputParser:
                 parser.process(token)
             except HarmonyError as exc:
                 kind = RECOVERED_STRAY_TEXT if parser.state == _STATE_EXPECT_START else RECOVERED_HEADER
-                replay = self._recover(kind, str(exc), token, events)
-                if replay:
-                    self.output_tokens -= len(replay)  # counted again as they are fed
-                    events += self._feed_slow(replay)
-                else:
-                    self.ignored_tokens += 1
+                self._skip_malformed(kind, str(exc), token, events)
                 parser = self._parser
                 continue
             if token < FIRST_SPECIAL_ID:
@@ -610,12 +619,7 @@ class HarmonyOutputParser:
                     channel, recipient = parser.current_channel, parser.current_recipient
                     content_type = parser.current_content_type
                     if _too_long(channel, recipient, content_type):
-                        replay = self._recover(RECOVERED_LONG_HEADER, _LONG_FIELD, token, events)
-                        if replay:
-                            self.output_tokens -= len(replay)  # counted again as they are fed
-                            events += self._feed_slow(replay)
-                        else:
-                            self.ignored_tokens += 1
+                        self._skip_malformed(RECOVERED_LONG_HEADER, _LONG_FIELD, token, events)
                         parser = self._parser
                         continue
                     role = parser.current_role
