@@ -158,6 +158,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_headers=args.max_headers,
         max_connections=args.max_connections,
         forwarded_allow_ips=tuple(_split_list(args.forwarded_allow_ips)),
+        max_parse_tokens=args.max_parse_tokens,
         max_retries=args.max_retries,
         max_batch_size=args.max_batch_size,
         batch_concurrency=args.batch_concurrency,
@@ -684,6 +685,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         metavar="IPS",
         help="comma-separated IPs or CIDRs of proxies whose X-Forwarded-For/-Proto are trusted for the "
         "client address ('*': every peer; repeatable); default: none, the peer's own address counts",
+    )
+    limits.add_argument(
+        "--max-parse-tokens",
+        type=int,
+        default=131_072,
+        metavar="N",
+        help="most token ids POST /v1/harmony/parse reads; more are a 400 (default 131072)",
     )
 
 

@@ -156,6 +156,9 @@ class Settings:
     #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
     #: default would trust 127.0.0.1, so any local client could pick its address).
     forwarded_allow_ips: tuple[str, ...] = ()
+    #: Most token ids `POST /v1/harmony/parse` reads (a text is encoded first; it may hold 8 characters a
+    #: token); a larger input is a 400 naming `token_ids` or `text`.
+    max_parse_tokens: int = 131_072
 
     @property
     def conversation_limits(self) -> ConversationLimits:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -83,4 +84,6 @@ async def harmony_parse(request: Request) -> Response:
 
 
 async def _parse(state: GatewayState, body: dict[str, Any]) -> dict[str, Any]:
-    return parse_output(state, body)
+    # Up to `max_parse_tokens` ids: tens of milliseconds to seconds of CPU, never on the event loop.
+    result: dict[str, Any] = await anyio.to_thread.run_sync(parse_output, state, body)
+    return result

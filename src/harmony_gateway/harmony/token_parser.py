@@ -1,7 +1,8 @@
 """Incremental classification of generated Harmony tokens into reasoning, answer text and tool calls.
 
-One `HarmonyOutputParser` per choice wraps openai-harmony's `StreamableParser` (non-strict) and turns its
-state into events, decided per token and identically for streaming and non-streaming (REFERENCE §3.1):
+One `HarmonyOutputParser` per choice wraps `StreamParser` (openai-harmony's `StreamableParser`, non-strict,
+in linear time) and turns its state into events, decided per token and identically for streaming and
+non-streaming (REFERENCE §3.1):
 
 - `(START, msg, None)` when a message header is complete (its kind is known from recipient and channel),
 - `(DELTA, msg, text)` for each piece of content text,
@@ -10,7 +11,8 @@ state into events, decided per token and identically for streaming and non-strea
 Recoverable quirks of real gpt-oss output are tolerated: tokens after a completed message (vllm#50690),
 refusals without `<|message|>` (harmony#80), bare recipients. Malformed spans (a doubled
 `<|start|>assistant`, text between messages, a control token inside a message, junk in a header) close the
-message they interrupt with what it had, and parsing resumes at the next `<|start|>`; each recovery is
+message they interrupt with what it had, and parsing resumes at the next `<|start|>`; so does a header
+longer than `MAX_HEADER_TOKENS` or with a field longer than `MAX_HEADER_FIELD_CHARS`. Each recovery is
 counted by kind in `recoveries`. Text on a channel other than analysis/commentary/final is reasoning, never
 answer text. Output from which nothing usable was parsed raises `UpstreamBadOutput` when it ends, so no
 special-token text ever reaches a client.
@@ -24,11 +26,13 @@ import os
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamableParser, StreamState
+from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamState
 
 from ..errors import UpstreamBadOutput
 from .encoding import CALL, CHANNEL, CONSTRAIN, END, FIRST_SPECIAL_ID, MESSAGE, RETURN
 from .encoding import START as START_TOKEN
+from .stream_parser import StreamParser
+from .stream_parser import token_bytes as _token_bytes
 
 # Message kinds.
 REASONING = 0  # analysis channel, or a call to a tool that is not enabled
@@ -60,6 +64,7 @@ _ROLE_WORD = re.compile(r"[^\s<]*")
 _HEADER_WORD = re.compile(r"\s*(\S+)")
 _STATE_CONTENT = StreamState.CONTENT
 _STATE_EXPECT_START = StreamState.EXPECT_START
+_STATE_HEADER = StreamState.HEADER
 _TERMINATORS = frozenset({END, CALL, RETURN})
 _Utf8Decoder = codecs.getincrementaldecoder("utf-8")
 
@@ -71,6 +76,13 @@ _F_CHANNEL = 3  # after <|channel|>: the channel name, then <|message|>
 _F_CONTENT = 4  # message text, until <|end|>, <|return|> or <|call|>
 _F_STOPPED = 5  # after <|return|>/<|call|>, or after `finish`: anything more falls back
 _MAX_CHANNEL_TOKENS = 4
+#: A message header (role, channel, recipient, content type) longer than this is malformed: real ones are a
+#: few tokens. Bounding it bounds the parser's work per header.
+MAX_HEADER_TOKENS = 256
+#: Nor may its channel, recipient or content type be longer than this (one token can hold many characters;
+#: tool names are at most 64).
+MAX_HEADER_FIELD_CHARS = 256
+_LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
 
 # Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of harmony_channel_parse_errors_total).
@@ -78,8 +90,16 @@ RECOVERED_HEADER = "broken_header"  # a header openai-harmony rejects (doubled <
 RECOVERED_STRAY_TEXT = "stray_text"  # tokens between messages, skipped up to the next <|start|>
 RECOVERED_CONTROL_IN_CONTENT = "control_token_in_content"  # a control token where text was expected
 RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not analysis/commentary/final
+RECOVERED_LONG_HEADER = (
+    "header_too_long"  # a header or header field over its cap, skipped to the next <|start|>
+)
 # Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
 # not the final answer, or analysis/commentary written after the final answer.
+
+
+def _too_long(*fields: str | None) -> bool:
+    """Some header field is longer than MAX_HEADER_FIELD_CHARS."""
+    return any(field is not None and len(field) > MAX_HEADER_FIELD_CHARS for field in fields)
 
 
 def new_call_id() -> str:
@@ -204,9 +224,12 @@ class HarmonyOutputParser:
         encoding: HarmonyEncoding,
         function_names: frozenset[str] = frozenset(),
         tool_namespaces: frozenset[str] = frozenset(),
+        *,
+        max_header_tokens: int = MAX_HEADER_TOKENS,
     ) -> None:
-        # Built on first use (~135 µs): a whole output in canonical shape never needs it (`parse_complete`).
-        self._streamable: StreamableParser | None = None
+        # Built on first use: a whole output in canonical shape never needs it (`parse_complete`).
+        self._streamable: StreamParser | None = None
+        self.max_header_tokens = max_header_tokens
         self._encoding = encoding
         self._functions = function_names
         self._namespaces = tool_namespaces
@@ -349,15 +372,36 @@ class HarmonyOutputParser:
                     break
         self._header_ids = []
         self._header_tokens = 0
-        self._streamable = StreamableParser(self._encoding, role, strict=False)
+        self._streamable = self.stream_parser(self._encoding, role)
         self._resync = not replay
         return replay
 
+    def _skip_malformed(self, kind: str, reason: str, token: int, events: list[Event]) -> None:
+        """`_recover` from a malformed span ended by `token`: feed what it gives back, or skip `token`."""
+        replay = self._recover(kind, reason, token, events)
+        if replay:
+            self.output_tokens -= len(replay)  # counted again as they are fed
+            events += self._feed_slow(replay)
+        else:
+            self.ignored_tokens += 1
+
+    def _abandon_header(self) -> None:
+        """A header longer than `max_header_tokens` (a degenerate run of control tokens or text) is
+        malformed: dropped unparsed, and parsing resumes at the next `<|start|>`."""
+        self._recovered(RECOVERED_LONG_HEADER, f"message header longer than {self.max_header_tokens} tokens")
+        self._header_ids = []
+        self._header_tokens = 0
+        self._streamable = self.stream_parser(self._encoding, None)
+        self._resync = True
+
+    #: Builds the token-level parser for (encoding, role); tests put openai-harmony's own here.
+    stream_parser: Callable[[HarmonyEncoding, Role | None], StreamParser] = StreamParser
+
     @property
-    def _parser(self) -> StreamableParser:
+    def _parser(self) -> StreamParser:
         parser = self._streamable
         if parser is None:
-            parser = self._streamable = StreamableParser(self._encoding, Role.ASSISTANT, strict=False)
+            parser = self._streamable = self.stream_parser(self._encoding, Role.ASSISTANT)
         return parser
 
     @property
@@ -514,14 +558,23 @@ class HarmonyOutputParser:
                 self.ignored_tokens += 1
             return events
         parser = self._parser
+        max_header = self.max_header_tokens
         for token in token_ids:
             self.output_tokens += 1
             if self._stopped:
                 self.ignored_tokens += 1  # text after the end (vllm#50690): the reply is over
                 continue
+            if (
+                len(self._header_ids) >= max_header
+                and token != MESSAGE
+                and token not in _TERMINATORS
+                and parser.state == _STATE_HEADER
+            ):
+                self._abandon_header()  # before the token would make the header longer
+                parser = self._parser
             if self._resync:
                 if token == CHANNEL:
-                    self._streamable = parser = StreamableParser(self._encoding, Role.ASSISTANT, strict=False)
+                    self._streamable = parser = self.stream_parser(self._encoding, Role.ASSISTANT)
                 elif token != START_TOKEN:
                     self.ignored_tokens += 1
                     continue
@@ -530,12 +583,7 @@ class HarmonyOutputParser:
                 parser.process(token)
             except HarmonyError as exc:
                 kind = RECOVERED_STRAY_TEXT if parser.state == _STATE_EXPECT_START else RECOVERED_HEADER
-                replay = self._recover(kind, str(exc), token, events)
-                if replay:
-                    self.output_tokens -= len(replay)  # counted again as they are fed
-                    events += self._feed_slow(replay)
-                else:
-                    self.ignored_tokens += 1
+                self._skip_malformed(kind, str(exc), token, events)
                 parser = self._parser
                 continue
             if token < FIRST_SPECIAL_ID:
@@ -568,13 +616,15 @@ class HarmonyOutputParser:
                     parser = self._parser
                     continue
                 if token == MESSAGE:
+                    channel, recipient = parser.current_channel, parser.current_recipient
+                    content_type = parser.current_content_type
+                    if _too_long(channel, recipient, content_type):
+                        self._skip_malformed(RECOVERED_LONG_HEADER, _LONG_FIELD, token, events)
+                        parser = self._parser
+                        continue
                     role = parser.current_role
-                    msg = self.classify(
-                        parser.current_channel,
-                        parser.current_recipient,
-                        role.value if role is not None else None,
-                    )
-                    msg.content_type = parser.current_content_type
+                    msg = self.classify(channel, recipient, role.value if role is not None else None)
+                    msg.content_type = content_type
                     msg.tokens = self._header_tokens + 1
                     self._header_tokens = 0
                     self._header_ids.clear()
@@ -594,8 +644,7 @@ class HarmonyOutputParser:
     def _complete(self, terminator: int | None, events: list[Event]) -> None:
         # No special-text check here: a special id absorbed as text already halted in `feed`, so any `<|end|>`
         # left in the text was written with ordinary tokens (the model quoting the format) and is real text.
-        completed = self._parser.messages[-1]
-        text = "".join(getattr(part, "text", "") for part in completed.content)
+        text = self._parser.messages[-1].text
         assert self._open is not None
         self._open.tokens += 1
         self._in_content = False
@@ -621,6 +670,9 @@ class HarmonyOutputParser:
             return
         if terminator is None and not text:
             return  # a header cut by the end of output: nothing was said
+        if _too_long(channel, recipient, content_type):
+            self._recovered(RECOVERED_LONG_HEADER, _LONG_FIELD)
+            return
         msg = self.classify(channel, recipient, role)
         msg.content_type = content_type
         msg.tokens = tokens
@@ -689,16 +741,6 @@ class HarmonyOutputParser:
     def in_message(self) -> bool:
         """A message (or a header) is open: a stop token the engine stripped still has to close it."""
         return self._open is not None or bool(self._header_ids)
-
-
-@functools.cache
-def _token_bytes() -> Callable[[int], bytes]:
-    """The bytes of one ordinary token (quicktok's o200k_base, byte-identical to the Harmony vocabulary):
-    ~0.4 µs a call; a table of all ranks would save ~0.3 µs a token for ~20 MB per process."""
-    import quicktok
-
-    decode: Callable[[int], bytes] = quicktok.get_encoding("o200k_base").decode_single_token_bytes
-    return decode
 
 
 @functools.cache

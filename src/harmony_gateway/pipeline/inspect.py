@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from typing import Any
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
@@ -53,8 +54,11 @@ from .responses import prepare_responses, render_turn
 from .select_worker import routing_request
 
 APIS = ("chat", "responses", "messages")
-#: Output longer than this is refused by the parse endpoint (a debugging aid, not a bulk service).
-MAX_PARSE_TOKENS = 262_144
+#: A text to parse may hold this many characters per token of `Settings.max_parse_tokens`.
+PARSE_CHARS_PER_TOKEN = 8
+#: Ids parsed between two releases of the GIL (at most about two milliseconds of work): the parse runs in a worker
+#: thread, and the event loop's thread should not wait the interpreter's 5 ms switch interval for it.
+PARSE_SLICE = 256
 _SPECIAL = re.compile(r"<\|[a-z_]+\|>")
 
 
@@ -285,30 +289,41 @@ def _header_fields(text: str) -> dict[str, Any]:
 def parse_output(
     state: GatewayState, body: dict[str, Any], function_names: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
-    """Messages and the repairs the parser made for raw model output (`token_ids` or `text`)."""
+    """Messages and the repairs the parser made for raw model output (`token_ids` or `text`), at most
+    `Settings.max_parse_tokens` of them (a debugging aid, not a bulk service). CPU-bound, linear in the
+    output's length: callers on the event loop run it in a worker thread."""
     token_ids = body.get("token_ids")
     text = body.get("text")
     if (token_ids is None) == (text is None):
         raise InvalidRequest("send exactly one of token_ids or text", param="token_ids")
+    max_tokens = state.settings.max_parse_tokens
     if token_ids is not None:
-        if not isinstance(token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-        ):
+        if isinstance(token_ids, list) and len(token_ids) > max_tokens:
+            raise InvalidRequest(
+                f"token_ids holds {len(token_ids)} ids; at most {max_tokens} can be parsed", param="token_ids"
+            )
+        # Checked with C-level passes (`map`, `min`, `max`) so the GIL is held briefly; the loop that names
+        # the bad id runs only when there is one.
+        if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
             raise InvalidRequest("token_ids must be a list of integers", param="token_ids")
-        for j, t in enumerate(token_ids):
-            if not 0 <= t < VOCAB_SIZE:
-                raise InvalidRequest(f"token id {t} is outside the vocabulary", param=f"token_ids[{j}]")
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= VOCAB_SIZE):
+            j, t = next((j, t) for j, t in enumerate(token_ids) if not 0 <= t < VOCAB_SIZE)
+            raise InvalidRequest(f"token id {t} is outside the vocabulary", param=f"token_ids[{j}]")
         ids = token_ids
         source = "token_ids"
     else:
         if not isinstance(text, str):
             raise InvalidRequest("text must be a string", param="text")
+        if len(text) > max_tokens * PARSE_CHARS_PER_TOKEN:
+            raise InvalidRequest(
+                f"text must be at most {max_tokens * PARSE_CHARS_PER_TOKEN} characters", param="text"
+            )
         if not _SPECIAL.search(text):
             return _parse_stripped(text)
         ids = state.encoding.encode(text, allowed_special="all")
         source = "text"
-    if len(ids) > MAX_PARSE_TOKENS:
-        raise InvalidRequest(f"at most {MAX_PARSE_TOKENS} tokens can be parsed", param=source)
+        if len(ids) > max_tokens:
+            raise InvalidRequest(f"text encodes to more than {max_tokens} tokens", param="text")
     return _parse_tokens(state, ids, source, function_names)
 
 
@@ -331,7 +346,9 @@ def _parse_tokens(
     parser = tp.HarmonyOutputParser(state.encoding, function_names)
     recoveries: list[dict[str, Any]] = []
     try:
-        parser.feed(ids)
+        for at in range(0, len(ids), PARSE_SLICE):
+            parser.feed(ids[at : at + PARSE_SLICE])
+            time.sleep(0)  # let the event loop's thread take the GIL now, not after a switch interval
         parser.finish()
     except UpstreamBadOutput as exc:
         recoveries.append({"kind": "not_harmony", "detail": exc.message, "fatal": True})
