@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from tests.conftest import MODEL
+from tests.support.loop_stall import health_while
 from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 SMALL_BODY_CAP = 1024 * 1024
@@ -63,17 +64,6 @@ def _error_of(raw: bytes) -> tuple[int, dict[str, Any]]:
     return status, orjson.loads(body)["error"]
 
 
-async def _health_latencies(client: httpx.AsyncClient, stop: asyncio.Event) -> list[float]:
-    latencies = []
-    while not stop.is_set():
-        start = time.perf_counter()
-        r = await client.get("/health")
-        latencies.append(time.perf_counter() - start)
-        assert r.status_code == 200
-        await asyncio.sleep(0.01)
-    return latencies
-
-
 async def test_an_oversized_body_is_refused_before_it_is_read(guarded: RunningGateway) -> None:
     async with httpx.AsyncClient(base_url=guarded.url, timeout=30) as client:
         body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * SMALL_BODY_CAP}]})
@@ -104,19 +94,15 @@ async def test_the_largest_allowed_request_never_stalls_the_event_loop(sim: Any)
             content = "All work and no play makes Jack a dull boy. " * (8 * 1024 * 1024 // 45 - 100)
             body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}]})
             assert len(body) < 8 * 1024 * 1024
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(_health_latencies(client, stop))
-            try:
-                r = await client.post(
-                    "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
-                )
-            finally:
-                stop.set()
-            latencies = await watcher
+            post = client.post(
+                "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+            )
+            stall = await health_while(client, post, pause=0.01)
     # Rendered, then refused for the model's context length: all the expensive work was done.
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    assert len(latencies) >= 3
-    assert max(latencies) < 0.25, latencies
+    assert stall.response.status_code == 400
+    assert stall.response.json()["error"]["code"] == "context_length_exceeded"
+    assert len(stall.latencies) >= 3
+    assert stall.latencies[-1] < 0.25, stall.latencies
 
 
 @pytest.mark.parametrize(

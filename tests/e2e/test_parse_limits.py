@@ -5,7 +5,6 @@ keeps answering."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -15,6 +14,7 @@ import pytest
 
 from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim
+from tests.support.loop_stall import health_while
 from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 START = 200006
@@ -75,16 +75,6 @@ async def test_a_configured_cap_is_the_limit(sim: RunningSim) -> None:
         assert response.status_code == 400 and response.json()["error"]["param"] == "token_ids"
 
 
-async def _health_latencies(http: httpx.AsyncClient, done: asyncio.Event) -> list[float]:
-    latencies = []
-    while not done.is_set():
-        start = time.perf_counter()
-        response = await http.get("/health")
-        latencies.append(time.perf_counter() - start)
-        assert response.status_code == 200
-    return latencies
-
-
 @pytest.mark.parametrize("shape", ["start run", "rejected headers"])
 async def test_the_largest_allowed_parse_never_stalls_the_event_loop(
     http: httpx.AsyncClient, shape: str
@@ -92,19 +82,9 @@ async def test_the_largest_allowed_parse_never_stalls_the_event_loop(
     unit = [START] if shape == "start run" else WORST
     token_ids = (unit * (MAX_PARSE_TOKENS // len(unit) + 1))[:MAX_PARSE_TOKENS]
     body = orjson.dumps({"token_ids": token_ids})
-    done = asyncio.Event()
-    watcher = asyncio.create_task(_health_latencies(http, done))
-    try:
-        start = time.perf_counter()
-        response = await http.post(
-            "/v1/harmony/parse", content=body, headers={"content-type": "application/json"}
-        )
-        took = time.perf_counter() - start
-    finally:
-        done.set()
-    latencies = sorted(await watcher)
-    assert response.status_code == 200, response.text
-    assert took < 30, took  # linear: about a second of CPU on an idle machine
-    assert len(latencies) >= 20
-    p99 = latencies[int(len(latencies) * 0.99)]
-    assert p99 < 0.05, (p99, latencies[-5:], len(latencies))
+    parse = http.post("/v1/harmony/parse", content=body, headers={"content-type": "application/json"})
+    stall = await health_while(http, parse)
+    assert stall.response.status_code == 200, stall.response.text
+    assert stall.took < 30, stall.took  # linear: about a second of CPU on an idle machine
+    assert len(stall.latencies) >= 20
+    assert stall.p99 < 0.05, (stall.p99, stall.latencies[-5:], len(stall.latencies))

@@ -27,9 +27,12 @@ upstream that stripped them) to `HarmonyTextParser`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from typing import Any
+
+import anyio
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
@@ -54,6 +57,8 @@ from .responses import prepare_responses, render_turn
 from .select_worker import routing_request
 
 APIS = ("chat", "responses", "messages")
+#: Longer prompts are described (decoded, cut into tokens and messages) in a worker thread.
+LOOP_DESCRIBE_TOKENS = 4096
 #: A text to parse may hold this many characters per token of `Settings.max_parse_tokens`.
 PARSE_CHARS_PER_TOKEN = 8
 #: Ids parsed between two releases of the GIL (at most about two milliseconds of work): the parse runs in a worker
@@ -87,7 +92,13 @@ async def render_request(
         refuse_request_mcp_servers(request)
         prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
     ctx.model = prepared.group.name
-    return describe(state, prepared, ctx, api, notes, fleet=fleet)
+    body = describe(state, prepared, ctx, api, notes, fleet=fleet)
+    views = functools.partial(prompt_views, state, prepared)
+    if len(prepared.input_ids) <= LOOP_DESCRIBE_TOKENS:
+        body.update(views())
+    else:
+        body.update(await anyio.to_thread.run_sync(views))
+    return body
 
 
 def refuse_request_mcp_servers(request: dict[str, Any]) -> None:
@@ -156,18 +167,6 @@ def describe(
         "routing": routing_of(prepared, ctx, fleet=fleet),
         "notes": notes,
     }
-    if prepared.harmony:
-        body["prompt_text"] = state.encoding.decode(ids)
-        body["tokens"] = token_pieces(state, ids)
-        body["messages"] = split_messages(state, ids)
-    else:
-        # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by
-        # the prepare stage); there are no Harmony messages to list.
-        tokenizer = state.tokenizers.get(prepared.group.name)
-        token_text = getattr(tokenizer, "token_text", None)
-        body["prompt_text"] = prepared.original_text
-        body["tokens"] = [[i, token_text(i) if token_text is not None else None] for i in ids]
-        body["messages"] = []
     if prepared.upstream_body is not None:
         notes.append(
             "this model is served by an HTTP upstream: it is sent the request as text, not these ids"
@@ -226,6 +225,27 @@ def _fleet(policy: RoutingPolicy, pool: list[Any], request: RoutingRequest) -> d
             {"id": w.id, "url": w.public_url, "available": w.available(), "in_flight": w.in_flight}
             for w in pool
         ],
+    }
+
+
+def prompt_views(state: GatewayState, prepared: PreparedRequest) -> dict[str, Any]:
+    """The prompt as text, as [id, text] tokens and cut into messages: linear in the prompt, but a few
+    hundred milliseconds at a full context, so `render_request` runs it in a thread for long prompts."""
+    ids = prepared.input_ids
+    if prepared.harmony:
+        return {
+            "prompt_text": state.encoding.decode(ids),
+            "tokens": token_pieces(state, ids),
+            "messages": split_messages(state, ids),
+        }
+    # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by the
+    # prepare stage); there are no Harmony messages to list.
+    tokenizer = state.tokenizers.get(prepared.group.name)
+    token_text = getattr(tokenizer, "token_text", None)
+    return {
+        "prompt_text": prepared.original_text,
+        "tokens": [[i, token_text(i) if token_text is not None else None] for i in ids],
+        "messages": [],
     }
 
 
