@@ -648,6 +648,9 @@ async def test_concurrent_identical_request_ids(
 
 # -- known traps, each pinned ----------------------------------------------------------------------------
 DEEP = _deep_schema(60)  # openai-harmony cannot render it (serde_json's recursion limit)
+#: A run of letters openai-harmony's pre-tokenizer cannot split: it panics at about a million characters.
+HUGE_WORD = "x" * 1_000_000
+HUGE_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "description": HUGE_WORD}}}
 TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
     # (path, body, status, param)
     (
@@ -740,6 +743,186 @@ TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
         "input[0].call_id",
     ),
     ("/v1/conversations", {"items": [{"type": [], "role": "user", "content": "x"}]}, 400, "items[0].type"),
+    # Shapes that were 500s: each is a 400 naming the field.
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {"tools": 5}},
+        },
+        400,
+        "tool_choice.allowed_tools.tools",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "tool_choice": {"type": "allowed_tools", "tools": [{"name": 5}]}},
+        400,
+        "tool_choice.tools[0].name",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": USER, "tool_choice": {"type": "allowed_tools", "allowed_tools": []}},
+        400,
+        "tool_choice.allowed_tools",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "mcp_call", "server_label": "s", "name": "n", "arguments": 5}]},
+        400,
+        "input[0].arguments",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": [{"type": "mcp_call", "server_label": ["s"], "name": "n", "arguments": "{}"}],
+        },
+        400,
+        "input[0].server_label",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "mcp_approval_request", "server_label": "s", "name": {}}]},
+        400,
+        "input[0].name",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": {}}]}],
+        },
+        400,
+        "input[0].content[0].text",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 5}]}]},
+        400,
+        "input[0].summary[0].text",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "reasoning", "summary": [], "encrypted_content": 5}]},
+        400,
+        "input[0].encrypted_content",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "code_interpreter_call", "code": 5}]},
+        400,
+        "input[0].code",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f", "description": 5}]},
+        400,
+        "tools[0].description",
+    ),
+    # Lengths openai-harmony cannot take (it panics on a run of about a million characters): capped.
+    ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": HUGE_WORD}, 400, "instructions"),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "description": HUGE_WORD}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "namespace", "name": "ns", "description": HUGE_WORD, "tools": []}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": HUGE_SCHEMA}],
+        },
+        400,
+        "tools[0].parameters",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}}},
+        400,
+        "text.format.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "description": HUGE_WORD}}],
+        },
+        400,
+        "tools[0].function.description",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}],
+        },
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": HUGE_SCHEMA}},
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    # Instructions from system messages: openai-harmony's failure is the request's, a 400.
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "system", "content": HUGE_WORD}, *USER]},
+        400,
+        None,
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 10,
+            "messages": USER,
+            "tools": [{"name": "f", "description": HUGE_WORD, "input_schema": {"type": "object"}}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 10,
+            "messages": USER,
+            "tools": [{"name": "f", "input_schema": HUGE_SCHEMA}],
+        },
+        400,
+        "tools[0].input_schema",
+    ),
+    (
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 10, "messages": USER, "system": HUGE_WORD},
+        400,
+        "instructions",
+    ),
     ("/generate", {"input_ids": [201088]}, 400, "input_ids"),
     ("/generate", {"input_ids": [1, -1]}, 400, "input_ids"),
     ("/generate", {"input_ids": [2**32]}, 400, "input_ids"),
@@ -790,6 +973,8 @@ async def test_known_traps(
     assert response.status_code == status, response.text
     if status >= 400 and not route.anthropic:
         assert response.json()["error"]["param"] == param
+    elif status >= 400 and param is not None:  # Anthropic errors name the field in their message
+        assert param in response.json()["error"]["message"], response.text
     elif status >= 400:
         assert (
             "tools[0]" in response.json()["error"]["message"]

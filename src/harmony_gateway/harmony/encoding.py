@@ -25,7 +25,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, is_panic
 from .vocab import VocabularyUnavailable, ensure_vocab_env
 
 if TYPE_CHECKING:
@@ -137,14 +137,21 @@ class PromptRenderer:
             tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
         except (ValueError, RuntimeError) as exc:  # HarmonyError and RecursionError are RuntimeErrors
             raise self._unrenderable(prefix, exc) from None
+        except BaseException as exc:
+            # openai-harmony panics on text its pre-tokenizer cannot split (a run of about a million
+            # characters): the request's instructions or tools, so the request's fault, a 400.
+            if not is_panic(exc):
+                raise
+            raise self._unrenderable(prefix, exc) from None
         self._prefix_cache[key] = tokens
         if len(self._prefix_cache) > self._cache_size:
             self._prefix_cache.popitem(last=False)
         return tokens
 
-    def _unrenderable(self, prefix: PromptPrefix, exc: Exception) -> InvalidRequest:
+    def _unrenderable(self, prefix: PromptPrefix, exc: BaseException) -> InvalidRequest:
         """openai-harmony refused the system/developer messages: name the tool whose schema it cannot
-        render (e.g. one nested past its recursion limit), found by rendering each tool on its own."""
+        render (e.g. one nested past its recursion limit), found by rendering each tool on its own;
+        else the instructions are at fault."""
         from .messages import developer_message
 
         for tool in prefix.all_tools():
@@ -152,12 +159,14 @@ class PromptRenderer:
             assert message is not None
             try:
                 self._encoding.render(message)
-            except (ValueError, RuntimeError) as tool_exc:
+            except BaseException as tool_exc:
+                if not (isinstance(tool_exc, (ValueError, RuntimeError)) or is_panic(tool_exc)):
+                    raise
                 return InvalidRequest(
-                    f"tool {tool.name!r} cannot be described to the model: {tool_exc}",
+                    f"tool {tool.name!r} cannot be described to the model: {_short(tool_exc)}",
                     param=tool.param or "tools",
                 )
-        return InvalidRequest(f"the request's instructions and tools cannot be rendered: {exc}")
+        return InvalidRequest(f"the request's instructions and tools cannot be rendered: {_short(exc)}")
 
     def render_for_completion(self, prefix: PromptPrefix, history: Sequence[Msg]) -> list[int]:
         tokens = list(self.render_prefix(prefix))
@@ -219,6 +228,11 @@ _NEWER_UNICODE = re.compile(
     )
     + "]"
 )
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _find_sublist(haystack: list[int], needle: list[int]) -> int:
