@@ -196,4 +196,6 @@ def is_panic(exc: BaseException) -> bool:
 def is_failure(exc: BaseException) -> bool:
     """True for what a request or a background response reports as its own failure: any Exception and a
     dependency's panic. Cancellation, KeyboardInterrupt and SystemExit are not failures: they propagate."""
+    if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, Exception):
+        return all(is_failure(inner) for inner in exc.exceptions)  # a task group's panic
     return isinstance(exc, Exception) or is_panic(exc)
