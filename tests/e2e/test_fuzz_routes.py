@@ -888,6 +888,16 @@ TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
         400,
         "response_format.json_schema.schema",
     ),
+    # Client text openai-harmony itself encodes (raw prompts; text with characters quicktok splits
+    # differently): its panic is the request's text at fault, a 400.
+    ("/generate", {"text": HUGE_WORD}, 400, "text"),
+    ("/v1/completions", {"model": MODEL, "prompt": HUGE_WORD}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "\u088f" + HUGE_WORD}]},
+        400,
+        None,
+    ),
     # Instructions from system messages: openai-harmony's failure is the request's, a 400.
     (
         "/v1/chat/completions",

@@ -13,7 +13,7 @@ import functools
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from openai_harmony import (
@@ -102,7 +102,8 @@ class PromptRenderer:
         frame = self._frames.get(key)
         if frame is None:
             probe = msg._replace(text=self._SENTINEL)
-            tokens = self._encoding.render(probe.to_harmony())
+            with client_text(None):  # a recipient or author name from the request
+                tokens = self._encoding.render(probe.to_harmony())
             n = len(self._sentinel_ids)
             at = _find_sublist(tokens, self._sentinel_ids)
             frame = (tokens[:at], tokens[at + n :])
@@ -183,7 +184,8 @@ class PromptRenderer:
             return self._quicktok(text)
         # quicktok's tables know characters added in Unicode 17 that openai-harmony's pre-tokenizer does
         # not, and split text around them differently: such text takes openai-harmony's own encoder.
-        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+        with client_text(None):
+            return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def encode_text(self, text: str) -> list[int]:
         return self._encode_text(text)
@@ -230,6 +232,19 @@ _NEWER_UNICODE = re.compile(
 )
 
 
+@contextlib.contextmanager
+def client_text(param: str | None) -> Iterator[None]:
+    """Around openai-harmony encoding text a client sent: its pre-tokenizer panics on a run of about a
+    million characters it cannot split (fancy-regex's backtracking stack overflows), which is the
+    request's text at fault, so a 400 naming `param`, not a panic through the gateway."""
+    try:
+        yield
+    except BaseException as exc:
+        if not is_panic(exc):
+            raise
+        raise InvalidRequest(f"the text cannot be tokenized: {_short(exc)}", param=param) from None
+
+
 def _short(exc: BaseException, limit: int = 200) -> str:
     text = str(exc)
     return text if len(text) <= limit else text[:limit] + "…"
@@ -262,6 +277,7 @@ __all__ = [
     "START",
     "PromptRenderer",
     "VocabularyUnavailable",
+    "client_text",
     "get_encoding",
     "is_special",
     "render_reference",

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
-from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, is_special
+from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, client_text, is_special
 from ..harmony.text_events import (
     ContentDelta,
     ReasoningDelta,
@@ -266,7 +266,8 @@ def parse_output(
             raise InvalidRequest("text must be a string", param="text")
         if not _SPECIAL.search(text):
             return _parse_stripped(text)
-        ids = state.encoding.encode(text, allowed_special="all")
+        with client_text("text"):
+            ids = state.encoding.encode(text, allowed_special="all")
         source = "text"
     if len(ids) > MAX_PARSE_TOKENS:
         raise InvalidRequest(f"at most {MAX_PARSE_TOKENS} tokens can be parsed", param=source)
