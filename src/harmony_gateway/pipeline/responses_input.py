@@ -155,32 +155,35 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
     return items
 
 
-#: Fields replayed into the prompt from items a client sends back (REFERENCE §2.4), and what each must be;
-#: `None` always passes (a required field's absence is for the item's own rules above).
+_OPTIONAL_STR = (str, type(None))
+#: Fields replayed into the prompt from items a client sends back (REFERENCE §2.4), and what each must
+#: be when present (a required field's absence is for the item's own rules above).
 _FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
-    "reasoning": {"encrypted_content": (str,)},
+    "reasoning": {"encrypted_content": _OPTIONAL_STR},
     "mcp_call": {
         "server_label": (str,),
         "name": (str,),
-        "arguments": (str,),
-        "output": (str,),
-        "error": (str, dict),
+        "arguments": _OPTIONAL_STR,
+        "output": _OPTIONAL_STR,
+        "error": (str, dict, type(None)),
     },
-    "mcp_approval_request": {"server_label": (str,), "name": (str,), "arguments": (str,)},
+    "mcp_approval_request": {"server_label": (str,), "name": (str,), "arguments": _OPTIONAL_STR},
     "mcp_list_tools": {"server_label": (str,)},
-    "code_interpreter_call": {"code": (str,)},
+    "code_interpreter_call": {"code": _OPTIONAL_STR},
 }
 #: List fields of objects (text parts, listed tools, outputs), with what each object's fields must be.
 _OBJECT_LISTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
     "reasoning": {"content": {"text": (str,)}, "summary": {"text": (str,)}},
-    "mcp_list_tools": {"tools": {"name": (str,), "description": (str,), "input_schema": (dict,)}},
+    "mcp_list_tools": {
+        "tools": {"name": (str,), "description": _OPTIONAL_STR, "input_schema": (dict, type(None))}
+    },
     "code_interpreter_call": {"outputs": {}},
 }
-_TYPE_NAMES: dict[type, str] = {str: "a string", dict: "an object", list: "a list"}
+_TYPE_NAMES: dict[type, str] = {str: "a string", dict: "an object", list: "a list", type(None): "null"}
 
 
 def _must_be(value: Any, types: tuple[type, ...], what: str, param: str) -> None:
-    if value is not None and not isinstance(value, types):
+    if not isinstance(value, types):
         expected = " or ".join(_TYPE_NAMES[t] for t in types)
         raise InvalidRequest(f"{what} must be {expected}", param=param)
 
@@ -189,14 +192,16 @@ def _check_field_types(kind: str, item: dict[str, Any], where: str) -> None:
     """Raise InvalidRequest naming the first field of an input item whose JSON type is wrong (a number
     where the prompt needs text), before anything renders it."""
     for key, types in _FIELD_TYPES.get(kind, {}).items():
-        _must_be(item.get(key), types, f"{kind} '{key}'", f"{where}.{key}")
+        if key in item:
+            _must_be(item[key], types, f"{kind} '{key}'", f"{where}.{key}")
     for key, fields in _OBJECT_LISTS.get(kind, {}).items():
         entries = item.get(key)
-        _must_be(entries, (list,), f"{kind} '{key}'", f"{where}.{key}")
+        _must_be(entries, (list, type(None)), f"{kind} '{key}'", f"{where}.{key}")
         for j, entry in enumerate(entries or ()):
             _must_be(entry, (dict,), f"{kind} '{key}' entries", f"{where}.{key}[{j}]")
             for name, types in fields.items():
-                _must_be(entry.get(name), types, f"'{name}'", f"{where}.{key}[{j}].{name}")
+                if name in entry:
+                    _must_be(entry[name], types, f"'{name}'", f"{where}.{key}[{j}].{name}")
 
 
 def part_text(parts: Any) -> str:
