@@ -981,6 +981,7 @@ async def test_known_traps(
         response = await http.post(path, json=body)
     check(route, response, json.dumps(body)[:200])
     assert response.status_code == status, response.text
+    assert status < 400 or len(response.content) < 4096, "an error must not echo the request back"
     if status >= 400 and not route.anthropic:
         assert response.json()["error"]["param"] == param
     elif status >= 400 and param is not None:  # Anthropic errors name the field in their message

@@ -163,8 +163,9 @@ class PromptRenderer:
             except BaseException as tool_exc:
                 if not (isinstance(tool_exc, (ValueError, RuntimeError)) or is_panic(tool_exc)):
                     raise
+                name = tool.name if len(tool.name) <= 64 else tool.name[:64] + "…"  # names are unchecked here
                 return InvalidRequest(
-                    f"tool {tool.name!r} cannot be described to the model: {_short(tool_exc)}",
+                    f"tool {name!r} cannot be described to the model: {_short(tool_exc)}",
                     param=tool.param or "tools",
                 )
         return InvalidRequest(f"the request's instructions and tools cannot be rendered: {_short(exc)}")
