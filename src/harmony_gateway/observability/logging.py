@@ -89,7 +89,7 @@ def log_failure(logger: logging.Logger, what: str, exc: BaseException) -> None:
     """One error line for an unexpected failure: what failed (with its request or response id), the
     exception's type and its message, cut to FAILURE_MESSAGE_CHARS; the traceback only at debug level,
     so a failing dependency cannot flood the log."""
-    message = str(exc)
+    message = str(exc).replace("\n", "\\n")  # one line, whatever the exception says
     if len(message) > FAILURE_MESSAGE_CHARS:
         message = message[:FAILURE_MESSAGE_CHARS] + "…"
     logger.error("%s failed: %s: %s", what, type(exc).__name__, message)
