@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
-from .api.error_responses import install_error_handlers
+from .api.error_responses import UnexpectedErrorMiddleware, install_error_handlers
 from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
 from .api.openapi import install_openapi
@@ -235,6 +235,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
     app.add_middleware(
         RequestGuardMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout
     )
+    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean 500.
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
     install_error_handlers(app)
     app.include_router(router)

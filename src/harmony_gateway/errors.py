@@ -20,6 +20,10 @@
 
 Each class carries `status_code`, `error_type` and a default `code`; instances may override `code`
 and `param`. Only `api/error_responses.py` and `api/wire_errors.py` turn them into wire bodies.
+
+Anything else a request or a background response raises is a gateway bug or a dependency's failure: a
+clean 500 (or a failed response) with one log line. `is_failure` says which exceptions count, a Rust
+extension's panic included (`is_panic`): pyo3 derives it from BaseException, past `except Exception`.
 """
 
 from __future__ import annotations
@@ -179,3 +183,19 @@ class UpstreamBadOutput(UpstreamError):
 
     status_code = 502
     code = "bad_model_output"
+
+
+def is_panic(exc: BaseException) -> bool:
+    """True for a panic inside a Rust extension (openai-harmony, quicktok, pydantic-core, ...). pyo3
+    raises it as `pyo3_runtime.PanicException`, a BaseException; each extension has its own class of
+    that name, so it is recognised by name."""
+    kind = type(exc)
+    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+
+
+def is_failure(exc: BaseException) -> bool:
+    """True for what a request or a background response reports as its own failure: any Exception and a
+    dependency's panic. Cancellation, KeyboardInterrupt and SystemExit are not failures: they propagate."""
+    if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, Exception):
+        return all(is_failure(inner) for inner in exc.exceptions)  # a task group's panic
+    return isinstance(exc, Exception) or is_panic(exc)

@@ -654,6 +654,9 @@ async def test_concurrent_identical_request_ids(
 
 # -- known traps, each pinned ----------------------------------------------------------------------------
 DEEP = _deep_schema(60)  # openai-harmony cannot render it (serde_json's recursion limit)
+#: A run of letters openai-harmony's pre-tokenizer cannot split: it panics at about a million characters.
+HUGE_WORD = "x" * 1_000_000
+HUGE_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "description": HUGE_WORD}}}
 TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
     # (path, body, status, param)
     (
@@ -746,6 +749,196 @@ TRAPS: list[tuple[str, dict[str, Any], int, str | None]] = [
         "input[0].call_id",
     ),
     ("/v1/conversations", {"items": [{"type": [], "role": "user", "content": "x"}]}, 400, "items[0].type"),
+    # Shapes that were 500s: each is a 400 naming the field.
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tool_choice": {"type": "allowed_tools", "allowed_tools": {"tools": 5}},
+        },
+        400,
+        "tool_choice.allowed_tools.tools",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "tool_choice": {"type": "allowed_tools", "tools": [{"name": 5}]}},
+        400,
+        "tool_choice.tools[0].name",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": USER, "tool_choice": {"type": "allowed_tools", "allowed_tools": []}},
+        400,
+        "tool_choice.allowed_tools",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "mcp_call", "server_label": "s", "name": "n", "arguments": 5}]},
+        400,
+        "input[0].arguments",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": [{"type": "mcp_call", "server_label": ["s"], "name": "n", "arguments": "{}"}],
+        },
+        400,
+        "input[0].server_label",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "mcp_approval_request", "server_label": "s", "name": {}}]},
+        400,
+        "input[0].name",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": {}}]}],
+        },
+        400,
+        "input[0].content[0].text",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 5}]}]},
+        400,
+        "input[0].summary[0].text",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "reasoning", "summary": [], "encrypted_content": 5}]},
+        400,
+        "input[0].encrypted_content",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "code_interpreter_call", "code": 5}]},
+        400,
+        "input[0].code",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "tools": [{"type": "function", "name": "f", "description": 5}]},
+        400,
+        "tools[0].description",
+    ),
+    # Lengths openai-harmony cannot take (it panics on a run of about a million characters): capped.
+    ("/v1/responses", {"model": MODEL, "input": "hi", "instructions": HUGE_WORD}, 400, "instructions"),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "description": HUGE_WORD}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "namespace", "name": "ns", "description": HUGE_WORD, "tools": []}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": HUGE_SCHEMA}],
+        },
+        400,
+        "tools[0].parameters",
+    ),
+    (
+        "/v1/responses",
+        {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema", "schema": HUGE_SCHEMA}}},
+        400,
+        "text.format.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "description": HUGE_WORD}}],
+        },
+        400,
+        "tools[0].function.description",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}],
+        },
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": USER,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": HUGE_SCHEMA}},
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    # Client text openai-harmony itself encodes (raw prompts; text with characters quicktok splits
+    # differently): its panic is the request's text at fault, a 400.
+    ("/generate", {"text": HUGE_WORD}, 400, "text"),
+    ("/v1/completions", {"model": MODEL, "prompt": HUGE_WORD}, 400, "prompt"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "\u088f" + HUGE_WORD}]},
+        400,
+        None,
+    ),
+    # Instructions from system messages: openai-harmony's failure is the request's, a 400.
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "system", "content": HUGE_WORD}, *USER]},
+        400,
+        None,
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 10,
+            "messages": USER,
+            "tools": [{"name": "f", "description": HUGE_WORD, "input_schema": {"type": "object"}}],
+        },
+        400,
+        "tools[0].description",
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": MODEL,
+            "max_tokens": 10,
+            "messages": USER,
+            "tools": [{"name": "f", "input_schema": HUGE_SCHEMA}],
+        },
+        400,
+        "tools[0].input_schema",
+    ),
+    (
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 10, "messages": USER, "system": HUGE_WORD},
+        400,
+        "instructions",
+    ),
     ("/generate", {"input_ids": [201088]}, 400, "input_ids"),
     ("/generate", {"input_ids": [1, -1]}, 400, "input_ids"),
     ("/generate", {"input_ids": [2**32]}, 400, "input_ids"),
@@ -794,13 +987,228 @@ async def test_known_traps(
         response = await http.post(path, json=body)
     check(route, response, json.dumps(body)[:200])
     assert response.status_code == status, response.text
+    assert status < 400 or len(response.content) < 4096, "an error must not echo the request back"
     if status >= 400 and not route.anthropic:
         assert response.json()["error"]["param"] == param
+    elif status >= 400 and param is not None:  # Anthropic errors name the field in their message
+        assert param in response.json()["error"]["message"], response.text
     elif status >= 400:
         assert (
             "tools[0]" in response.json()["error"]["message"]
             or "top_k" in response.json()["error"]["message"]
         )
+
+
+# -- every field of a full request, each odd JSON shape in turn -------------------------------------------
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "where"}},
+    "required": ["city"],
+}
+#: Requests using every field and item kind a client may send (client-side tools only: nothing dials out).
+FULL_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/responses": {
+        "model": MODEL,
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "developer", "content": "Mind the units."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "Think."}],
+                "content": [{"type": "reasoning_text", "text": "Call the tool."}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": '{"city": "Oslo"}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "cold"},
+            {
+                "type": "mcp_call",
+                "id": "mcp_1",
+                "server_label": "docs",
+                "name": "search",
+                "arguments": "{}",
+                "output": "found",
+                "error": None,
+                "status": "completed",
+            },
+            {"type": "mcp_list_tools", "id": "mcpl_1", "server_label": "docs", "tools": [{"name": "search"}]},
+            {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "input": "diff"},
+            {"type": "custom_tool_call_output", "call_id": "c2", "output": "applied"},
+            {
+                "type": "code_interpreter_call",
+                "id": "ci_1",
+                "code": "1+1",
+                "outputs": [{"type": "logs", "logs": "2"}],
+            },
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Cold."}]},
+            {"type": "message", "role": "user", "content": "Thanks"},
+        ],
+        "tools": [
+            {"type": "function", "name": "get_weather", "description": "weather", "parameters": SCHEMA},
+            {"type": "custom", "name": "patch", "description": "apply a diff"},
+            {
+                "type": "namespace",
+                "name": "ns",
+                "description": "grouped",
+                "tools": [{"type": "function", "name": "f"}],
+            },
+        ],
+        "tool_choice": {
+            "type": "allowed_tools",
+            "mode": "auto",
+            "tools": [{"type": "function", "name": "get_weather"}],
+        },
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "max_output_tokens": 64,
+        "max_tool_calls": 2,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "parallel_tool_calls": True,
+        "metadata": {"k": "v"},
+        "include": ["reasoning.encrypted_content"],
+        "truncation": "disabled",
+        "user": "u",
+        "store": False,
+    },
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Call the tool.",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+            {"role": "user", "content": "Thanks", "name": "ann"},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "description": "w", "parameters": SCHEMA},
+            }
+        ],
+        "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [WEATHER]}},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+        "stream_options": {"include_usage": True},
+        "stop": ["zzz"],
+        "max_tokens": 64,
+        "temperature": 0.5,
+        "reasoning_effort": "low",
+        "seed": 7,
+        "user": "u",
+    },
+    "/v1/messages": {
+        "model": MODEL,
+        "max_tokens": 64,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "cold"}]},
+        ],
+        "tools": [{"name": "get_weather", "description": "weather", "input_schema": SCHEMA}],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "stop_sequences": ["zzz"],
+        "temperature": 0.5,
+        "metadata": {"user_id": "u"},
+    },
+}
+#: Second requests for the shapes the first ones leave out (other tool choices, item and block kinds).
+MORE_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/responses": {
+        "model": MODEL,
+        "input": [
+            {"type": "local_shell_call", "call_id": "s1", "action": {"type": "exec", "command": ["ls"]}},
+            {"type": "local_shell_call_output", "call_id": "s1", "output": "a.txt"},
+            {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Go on"}]},
+        ],
+        "tools": [{"type": "local_shell"}, {"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "text": {"format": {"type": "json_object"}},
+        "max_output_tokens": 64,
+        "store": False,
+    },
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+            {"role": "user", "content": "Please"},
+        ],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "response_format": {"type": "json_object"},
+        "max_completion_tokens": 64,
+        "stop": "zzz",
+    },
+    "/v1/messages": {
+        "model": MODEL,
+        "max_tokens": 64,
+        "system": "Be brief.",
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Hm.", "signature": "x"},
+                    {"type": "text", "text": "Cold."},
+                ],
+            },
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [{"name": "get_weather", "input_schema": SCHEMA}],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "output_config": {"effort": "low"},
+    },
+}
+#: Numbers, objects and lists where strings are expected, and the reverse.
+ODD_SHAPES: list[Any] = [5, -1.5, True, None, "", "x", {}, {"x": 1}, [], [5], [{}]]
+
+
+@pytest.mark.parametrize(
+    ("path", "base"),
+    [*FULL_BODIES.items(), *MORE_BODIES.items()],
+    ids=[f"{p}-{n}" for n in ("full", "more") for p in FULL_BODIES],
+)
+async def test_every_field_in_every_odd_shape(
+    http: httpx.AsyncClient, path: str, base: dict[str, Any]
+) -> None:
+    """Each field of a full request (at any depth) replaced by each odd shape: an answer or a 4xx naming
+    the problem, never a 5xx. Failures are collected so that one run lists them all."""
+    route = next(r for r in ROUTES if r.path == path and r.method == "POST")
+    response = await send(http, route, path, json.dumps(base).encode())
+    assert response.status_code == 200, response.text
+    failures: list[str] = []
+    for where in _paths(base):
+        for shape in ODD_SHAPES:
+            body = json.loads(json.dumps(base))
+            _parent(body, where)[where[-1]] = shape
+            response = await send(http, route, path, json.dumps(body).encode())
+            try:
+                check(route, response, f"{where} = {shape!r}")
+            except AssertionError as exc:
+                failures.append(str(exc).splitlines()[0][:300])
+    assert not failures, "\n".join(failures)
+    await assert_healthy(http)
 
 
 async def test_previous_response_still_in_progress(slow_gateway: tuple[RunningSim, RunningGateway]) -> None:

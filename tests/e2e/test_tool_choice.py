@@ -137,3 +137,38 @@ async def test_invalid_response_format_is_400(client) -> None:
             model=MODEL, messages=[{"role": "user", "content": "x"}], response_format={"type": "json_schema"}
         )
     assert info.value.param == "response_format.json_schema"
+
+
+@pytest.mark.parametrize(
+    ("api", "choice"),
+    [
+        # Chat nests the list; the Responses API does not.
+        ("chat", {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [CHAT_TOOLS[1]]}}),
+        (
+            "responses",
+            {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "get_time"}],
+            },
+        ),
+    ],
+)
+async def test_allowed_tools_constrain_the_call_to_the_listed_ones(
+    client: openai.AsyncOpenAI, sim, api: str, choice: dict
+) -> None:
+    if api == "chat":
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=CHAT_TOOLS, tool_choice=choice
+        )
+    else:
+        tools = [
+            {"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in CHAT_TOOLS
+        ]
+        await client.responses.create(model=MODEL, input="hi", tools=tools, tool_choice=choice)
+    tag = constraint(sim)
+    assert tag is not None
+    assert [s["begin"] for s in tag["structures"]] == [
+        "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>"
+    ]

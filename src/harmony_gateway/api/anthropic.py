@@ -16,8 +16,9 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from ..errors import GatewayError
+from ..errors import GatewayError, is_failure
 from ..observability import tracing
+from ..observability.logging import log_failure
 from ..observability.metrics import finish_request
 from ..pipeline.anthropic import count_message_tokens, run_messages
 from ..pipeline.context import RequestContext, new_request_id
@@ -39,11 +40,15 @@ def _ids(ctx: RequestContext | None, request: Request) -> dict[str, str]:
     return {"request-id": request_id, "x-request-id": request_id}
 
 
-def _error_response(request: Request, ctx: RequestContext | None, exc: Exception) -> Response:
+def _error_response(request: Request, ctx: RequestContext | None, exc: BaseException) -> Response:
+    """Anthropic's error response for `exc`; anything but a failure (cancellation) is re-raised."""
+    if not is_failure(exc):
+        raise exc
     if isinstance(exc, ValidationError):
         exc = validation_error_to_invalid(exc)
     if not isinstance(exc, GatewayError):
-        log.exception("unexpected error in %s", request.url.path, exc_info=exc)
+        request_id = _ids(ctx, request)["request-id"]
+        log_failure(log, f"request {request_id} ({request.url.path})", exc)
     status, body = anthropic_error(exc)
     headers = _ids(ctx, request)
     if status in (429, 529):
@@ -68,7 +73,7 @@ async def create_message(request: Request) -> Response:
             tracing.annotate_prompt("messages", body.get("messages"))
         message_request = MessagesRequest.model_validate(body)
         result = await run_messages(state, message_request, ctx)
-    except Exception as exc:
+    except BaseException as exc:  # a dependency's panic too: Anthropic's error body, not the OpenAI one
         return _error_response(request, ctx, exc)
     if isinstance(result, dict):
         finish_request(ctx)
@@ -88,6 +93,6 @@ async def count_tokens(request: Request) -> Response:
         owner = owner_of(state, request)
         count_request = CountTokensRequest.model_validate(await json_body(request))
         result = await count_message_tokens(state, count_request, owner=owner)
-    except Exception as exc:
+    except BaseException as exc:
         return _error_response(request, None, exc)
     return Response(orjson.dumps(result), media_type="application/json", headers=_ids(None, request))

@@ -1,8 +1,9 @@
 """The one mapping from exceptions to OpenAI-style error responses (REFERENCE §8).
 
 `GatewayError` → its status and `{"error": {message, type, param, code}}`; request validation errors →
-400 with `param` naming the field; anything else → 500 with the request id and `x-should-retry: false`
-(a gateway bug will not heal on retry). Every response carries `x-request-id`.
+400 with `param` naming the field; anything else (a gateway bug, a dependency's failure or panic) → 500
+with the request id in the body and `x-should-retry: false` (it will not heal on retry), and one log
+line (`UnexpectedErrorMiddleware`). Every response carries `x-request-id`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import (
     GatewayError,
@@ -27,7 +29,9 @@ from ..errors import (
     RateLimited,
     RequestTimeout,
     UpstreamUnavailable,
+    is_failure,
 )
+from ..observability.logging import log_failure
 
 log = logging.getLogger(__name__)
 
@@ -124,18 +128,59 @@ def install_error_handlers(app: FastAPI) -> None:
         )
         return Response(status_code=499)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        rid = request_id_of(request)
-        log.exception("unexpected error in request %s", rid, exc_info=exc)
-        return error_response(
-            request,
-            500,
-            {
-                "message": f"internal error (request id {rid})",
+
+def internal_error_body(request_id: str) -> bytes:
+    return orjson.dumps(
+        {
+            "error": {
+                "message": f"internal error (request id {request_id})",
                 "type": "server_error",
                 "param": None,
                 "code": "internal_error",
-            },
-            {"x-should-retry": "false"},
-        )
+            }
+        }
+    )
+
+
+class UnexpectedErrorMiddleware:
+    """Pure ASGI, just inside the request-id middleware: what a request raises that no handler took (a
+    gateway bug, a dependency's failure, a Rust extension's panic, which derives from BaseException and
+    so passes Starlette's server-error middleware) becomes one log line and, if the response has not
+    started, a 500 with the request id. Nothing is re-raised: the server would log the traceback again.
+    A response already under way is ended where it stands (its stream has no terminal frame: the
+    stages that stream write that themselves, see pipeline/drive.py)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except BaseException as exc:
+            if not is_failure(exc):
+                raise
+            request_id = str(scope.get("state", {}).get("request_id") or "")
+            log_failure(log, f"request {request_id} ({scope['method']} {scope['path']})", exc)
+            if not started:
+                response = Response(
+                    internal_error_body(request_id),
+                    status_code=500,
+                    media_type="application/json",
+                    headers={"x-request-id": request_id, "x-should-retry": "false"},
+                )
+                await response(scope, receive, send)
+            elif not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 
-from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker
+from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker, is_failure
 from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
@@ -182,11 +182,14 @@ def sse_response(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> St
 
 
 async def run_logged(ctx: RequestContext, coro: Any) -> Any:
+    """`coro`'s result; a failure (an unexpected one too, as a 500) is recorded and logged as the
+    request's end before it propagates to the error handlers."""
     try:
         return await coro
-    except GatewayError as exc:
-        ctx.status = exc.status_code
-        finish_request(ctx)
+    except BaseException as exc:
+        if is_failure(exc):
+            ctx.status = exc.status_code if isinstance(exc, GatewayError) else 500
+            finish_request(ctx)
         raise
 
 

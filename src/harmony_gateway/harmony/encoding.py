@@ -13,7 +13,7 @@ import functools
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from openai_harmony import (
@@ -25,7 +25,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, is_panic
 from .vocab import VocabularyUnavailable, ensure_vocab_env
 
 if TYPE_CHECKING:
@@ -102,7 +102,8 @@ class PromptRenderer:
         frame = self._frames.get(key)
         if frame is None:
             probe = msg._replace(text=self._SENTINEL)
-            tokens = self._encoding.render(probe.to_harmony())
+            with client_text(None):  # a recipient or author name from the request
+                tokens = self._encoding.render(probe.to_harmony())
             n = len(self._sentinel_ids)
             at = _find_sublist(tokens, self._sentinel_ids)
             frame = (tokens[:at], tokens[at + n :])
@@ -137,14 +138,21 @@ class PromptRenderer:
             tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
         except (ValueError, RuntimeError) as exc:  # HarmonyError and RecursionError are RuntimeErrors
             raise self._unrenderable(prefix, exc) from None
+        except BaseException as exc:
+            # openai-harmony panics on text its pre-tokenizer cannot split (a run of about a million
+            # characters): the request's instructions or tools, so the request's fault, a 400.
+            if not is_panic(exc):
+                raise
+            raise self._unrenderable(prefix, exc) from None
         self._prefix_cache[key] = tokens
         if len(self._prefix_cache) > self._cache_size:
             self._prefix_cache.popitem(last=False)
         return tokens
 
-    def _unrenderable(self, prefix: PromptPrefix, exc: Exception) -> InvalidRequest:
+    def _unrenderable(self, prefix: PromptPrefix, exc: BaseException) -> InvalidRequest:
         """openai-harmony refused the system/developer messages: name the tool whose schema it cannot
-        render (e.g. one nested past its recursion limit), found by rendering each tool on its own."""
+        render (e.g. one nested past its recursion limit), found by rendering each tool on its own;
+        else the instructions are at fault."""
         from .messages import developer_message
 
         for tool in prefix.all_tools():
@@ -152,12 +160,15 @@ class PromptRenderer:
             assert message is not None
             try:
                 self._encoding.render(message)
-            except (ValueError, RuntimeError) as tool_exc:
+            except BaseException as tool_exc:
+                if not (isinstance(tool_exc, (ValueError, RuntimeError)) or is_panic(tool_exc)):
+                    raise
+                name = tool.name if len(tool.name) <= 64 else tool.name[:64] + "…"  # names are unchecked here
                 return InvalidRequest(
-                    f"tool {tool.name!r} cannot be described to the model: {tool_exc}",
+                    f"tool {name!r} cannot be described to the model: {_short(tool_exc)}",
                     param=tool.param or "tools",
                 )
-        return InvalidRequest(f"the request's instructions and tools cannot be rendered: {exc}")
+        return InvalidRequest(f"the request's instructions and tools cannot be rendered: {_short(exc)}")
 
     def render_for_completion(self, prefix: PromptPrefix, history: Sequence[Msg]) -> list[int]:
         tokens = list(self.render_prefix(prefix))
@@ -184,7 +195,8 @@ class PromptRenderer:
         return tokens
 
     def _encode_with_harmony(self, text: str) -> list[int]:
-        return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
+        with client_text(None):
+            return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def encode_text(self, text: str) -> list[int]:
         return self._encode_text(text)
@@ -256,6 +268,24 @@ def text_pieces(text: str, size: int) -> list[str]:
     return pieces
 
 
+@contextlib.contextmanager
+def client_text(param: str | None) -> Iterator[None]:
+    """Around openai-harmony encoding text a client sent: its pre-tokenizer panics on a run of about a
+    million characters it cannot split (fancy-regex's backtracking stack overflows), which is the
+    request's text at fault, so a 400 naming `param`, not a panic through the gateway."""
+    try:
+        yield
+    except BaseException as exc:
+        if not is_panic(exc):
+            raise
+        raise InvalidRequest(f"the text cannot be tokenized: {_short(exc)}", param=param) from None
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _find_sublist(haystack: list[int], needle: list[int]) -> int:
     n = len(needle)
     for i in range(len(haystack) - n, -1, -1):
@@ -283,6 +313,7 @@ __all__ = [
     "START",
     "PromptRenderer",
     "VocabularyUnavailable",
+    "client_text",
     "get_encoding",
     "is_special",
     "render_reference",

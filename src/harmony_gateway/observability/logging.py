@@ -1,4 +1,5 @@
-"""Logging set-up: plain text or one JSON object per line (`--log-json`), and the per-request line."""
+"""Logging set-up: plain text or one JSON object per line (`--log-json`), the per-request line, and the
+one line an unexpected failure gets (`log_failure`)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,19 @@ def log_request(ctx: RequestContext) -> None:
         latency_ms,
         extra={"fields": fields},
     )
+
+
+#: Characters of an exception's message a failure line keeps (messages may quote a whole request field).
+FAILURE_MESSAGE_CHARS = 300
+
+
+def log_failure(logger: logging.Logger, what: str, exc: BaseException) -> None:
+    """One error line for an unexpected failure: what failed (with its request or response id), the
+    exception's type and its message, cut to FAILURE_MESSAGE_CHARS; the traceback only at debug level,
+    so a failing dependency cannot flood the log."""
+    message = str(exc).replace("\n", "\\n")  # one line, whatever the exception says
+    if len(message) > FAILURE_MESSAGE_CHARS:
+        message = message[:FAILURE_MESSAGE_CHARS] + "…"
+    logger.error("%s failed: %s: %s", what, type(exc).__name__, message)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("traceback of the failure of %s", what, exc_info=exc)

@@ -293,7 +293,8 @@ def _user_message(
             if texts:
                 history.append(user(_join(texts)))
                 texts = []
-            name = tool_names.get(block.get("tool_use_id") or "")
+            call_id = block.get("tool_use_id")
+            name = tool_names.get(call_id) if isinstance(call_id, str) else None
             if not name:
                 raise InvalidRequest(
                     "tool_result refers to a tool_use id that no assistant message contains",

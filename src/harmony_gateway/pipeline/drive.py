@@ -20,7 +20,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from ..engines.base import EngineChunk
-from ..errors import GatewayError, NoHealthyWorker
+from ..errors import GatewayError, NoHealthyWorker, is_failure
+from ..observability.logging import log_failure
 from .context import GatewayState, PreparedRequest, RequestContext
 from .dispatch import dispatch
 from .reasoning_budget import with_reasoning_budget
@@ -144,11 +145,13 @@ async def drive(
             if framer.unsettled:
                 await framer.settle()
             yield out
-        except Exception as exc:  # a gateway bug, too, must end the stream with the wire's error
+        except BaseException as exc:  # a gateway bug or a dependency's panic, too, ends with the wire's error
+            if not is_failure(exc):
+                raise
             if isinstance(exc, GatewayError):
                 ctx.status = exc.status_code
             else:
-                log.exception("stream of %s failed", ctx.request_id, exc_info=exc)
+                log_failure(log, f"stream of {ctx.request_id}", exc)
                 ctx.status = 500
             ctx.completion_tokens = framer.completion_tokens()
             out = framer.error(exc)

@@ -42,7 +42,7 @@ import orjson
 
 from ..engines.base import EngineChunk, SamplingOptions, take_counts
 from ..errors import InvalidRequest
-from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE
+from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE, client_text
 from ..routing.fleet import ModelGroup
 from ..types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
 from ..types.limits import INT32_MAX
@@ -201,7 +201,8 @@ def encode_prompt(
             )
         ids: list[int] = tok.tokenizer.encode(prompt, add_special_tokens=True).ids
         return ids
-    return list(state.encoding.encode(prompt, allowed_special="all"))
+    with client_text(param):
+        return list(state.encoding.encode(prompt, allowed_special="all"))
 
 
 async def encode_prompt_off_loop(

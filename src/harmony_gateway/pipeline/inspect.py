@@ -36,7 +36,7 @@ import anyio
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
-from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, is_special
+from ..harmony.encoding import CALL, END, RETURN, START, VOCAB_SIZE, client_text, is_special
 from ..harmony.text_events import (
     ContentDelta,
     ReasoningDelta,
@@ -340,7 +340,8 @@ def parse_output(
             )
         if not _SPECIAL.search(text):
             return _parse_stripped(text)
-        ids = state.encoding.encode(text, allowed_special="all")
+        with client_text("text"):
+            ids = state.encoding.encode(text, allowed_special="all")
         source = "text"
         if len(ids) > max_tokens:
             raise InvalidRequest(f"text encodes to more than {max_tokens} tokens", param="text")

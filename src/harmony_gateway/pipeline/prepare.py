@@ -38,6 +38,7 @@ from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from ..types.chat import ChatCompletionRequest, ChatMessage
 from ..types.generate import CompletionRequest
+from ..types.limits import MAX_SCHEMA_CHARS, schema_too_large
 from ..types.tool_names import is_tool_name
 from .context import GatewayState, PreparedRequest
 from .reasoning_store import recall_analyses, turn_remembering
@@ -142,13 +143,36 @@ def apply_tool_choice(
                 raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", param=param)
             return chosen
         if tool_choice.get("type") == "allowed_tools":
-            allowed = {
-                (t.get("function") or {}).get("name") or t.get("name")
-                for t in (tool_choice.get("allowed_tools") or {}).get("tools", [])
-                if isinstance(t, dict)
-            }
+            allowed = allowed_tool_names(tool_choice, param=param)
             return [t for t in tools if t.name in allowed]
     raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function", param=param)
+
+
+def allowed_tool_names(tool_choice: dict[str, Any], *, param: str) -> set[str]:
+    """The function names an `allowed_tools` choice lists. Chat nests the list (`{"type": "allowed_tools",
+    "allowed_tools": {"mode", "tools"}}`), the Responses API does not (`{"type", "mode", "tools"}`); an
+    entry without a name (a hosted tool) names no function. Raises InvalidRequest naming a malformed part."""
+    nested = "allowed_tools" in tool_choice
+    spec = tool_choice["allowed_tools"] if nested else tool_choice
+    where = f"{param}.allowed_tools" if nested else param
+    if not isinstance(spec, dict):
+        raise InvalidRequest("allowed_tools must be an object with a list of tools", param=where)
+    listed = spec.get("tools", [])
+    if not isinstance(listed, list):
+        raise InvalidRequest("allowed_tools.tools must be a list of tools", param=f"{where}.tools")
+    names: set[str] = set()
+    for i, entry in enumerate(listed):
+        if not isinstance(entry, dict):
+            raise InvalidRequest("allowed tools must be objects", param=f"{where}.tools[{i}]")
+        function = entry.get("function")
+        holder, key = (function, "function.name") if isinstance(function, dict) else (entry, "name")
+        name = holder.get("name")
+        if name is None:
+            continue
+        if not isinstance(name, str):
+            raise InvalidRequest("allowed tool names must be strings", param=f"{where}.tools[{i}].{key}")
+        names.add(name)
+    return names
 
 
 def forces_tool_call(tool_choice: str | dict[str, Any] | None) -> bool:
@@ -228,6 +252,11 @@ def response_format_of(spec: dict[str, Any] | None, *, param: str, nested: bool)
     name = body.get("name") or "response"
     if not isinstance(name, str):
         raise InvalidRequest("the format name must be a string", param=f"{where}.name")
+    if schema_too_large(schema):
+        raise InvalidRequest(
+            f"response format schemas are at most {MAX_SCHEMA_CHARS} characters as JSON",
+            param=f"{where}.schema",
+        )
     return ResponseFormat(name, str(body.get("description") or ""), json.dumps(schema, separators=(",", ":")))
 
 

@@ -52,6 +52,7 @@ from ..mcp.tool_loop import (
 )
 from ..observability.tracing import traced
 from ..storage.base import item_sizes, size_of
+from ..types.limits import MAX_SCHEMA_CHARS, MAX_TOOL_DESCRIPTION_CHARS, schema_too_large
 from ..types.responses import ResponsesRequest
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .context import GatewayState, PreparedRequest, RequestContext
@@ -201,7 +202,7 @@ def client_namespaces(tools: list[dict[str, Any]] | None) -> list[ToolNamespace]
                 "namespace tools need a 'name' other than 'functions'", param=f"tools[{i}].name"
             )
         members = function_tools(tool.get("tools") or [], param=f"tools[{i}].tools")
-        out.append(ToolNamespace(name, tool.get("description") or "", tuple(members)))
+        out.append(ToolNamespace(name, tool_description(tool, f"tools[{i}]"), tuple(members)))
     return out
 
 
@@ -236,8 +237,28 @@ def function_tools(tools: list[dict[str, Any]] | None, *, param: str = "tools") 
             raise InvalidRequest(
                 "function parameters must be a JSON schema object", param=f"tools[{i}].parameters"
             )
-        out.append(FunctionTool(name, tool.get("description") or "", params, f"{param}[{i}]"))
+        if schema_too_large(params):
+            raise InvalidRequest(
+                f"function parameters are at most {MAX_SCHEMA_CHARS} characters as JSON",
+                param=f"{param}[{i}].parameters",
+            )
+        out.append(FunctionTool(name, tool_description(tool, f"{param}[{i}]"), params, f"{param}[{i}]"))
     return dedupe_function_tools(out)
+
+
+def tool_description(tool: dict[str, Any], where: str) -> str:
+    """A Responses tool's `description`: a string of at most MAX_TOOL_DESCRIPTION_CHARS, else a 400."""
+    description = tool.get("description")
+    if description is None:
+        return ""
+    if not isinstance(description, str):
+        raise InvalidRequest("tool descriptions must be strings", param=f"{where}.description")
+    if len(description) > MAX_TOOL_DESCRIPTION_CHARS:
+        raise InvalidRequest(
+            f"tool descriptions are at most {MAX_TOOL_DESCRIPTION_CHARS} characters",
+            param=f"{where}.description",
+        )
+    return description
 
 
 _SECRET_TOOL_KEYS = ("headers", "authorization")

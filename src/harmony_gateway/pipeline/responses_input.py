@@ -153,12 +153,62 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 )
         elif kind == "item_reference" and not isinstance(item.get("id"), str):
             raise InvalidRequest("item_reference items need an 'id'", param=f"{where}.id")
+        _check_field_types(kind, item, where)
         if item.get("id") is not None and not isinstance(item["id"], str):
             raise InvalidRequest("item ids must be strings", param=f"{where}.id")
         if kind != "item_reference" and not item.get("id"):
             item["id"] = new_id(ITEM_PREFIXES[kind])
         items.append(item)
     return items
+
+
+_OPTIONAL_STR = (str, type(None))
+#: Fields replayed into the prompt from items a client sends back (REFERENCE §2.4), and what each must
+#: be when present (a required field's absence is for the item's own rules above).
+_FIELD_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
+    "reasoning": {"encrypted_content": _OPTIONAL_STR},
+    "mcp_call": {
+        "server_label": (str,),
+        "name": (str,),
+        "arguments": _OPTIONAL_STR,
+        "output": _OPTIONAL_STR,
+        "error": (str, dict, type(None)),
+    },
+    "mcp_approval_request": {"server_label": (str,), "name": (str,), "arguments": _OPTIONAL_STR},
+    "mcp_list_tools": {"server_label": (str,)},
+    "code_interpreter_call": {"code": _OPTIONAL_STR},
+}
+#: List fields of objects (text parts, listed tools, outputs), with what each object's fields must be.
+_OBJECT_LISTS: dict[str, dict[str, dict[str, tuple[type, ...]]]] = {
+    "reasoning": {"content": {"text": (str,)}, "summary": {"text": (str,)}},
+    "mcp_list_tools": {
+        "tools": {"name": (str,), "description": _OPTIONAL_STR, "input_schema": (dict, type(None))}
+    },
+    "code_interpreter_call": {"outputs": {}},
+}
+_TYPE_NAMES: dict[type, str] = {str: "a string", dict: "an object", list: "a list", type(None): "null"}
+
+
+def _must_be(value: Any, types: tuple[type, ...], what: str, param: str) -> None:
+    if not isinstance(value, types):
+        expected = " or ".join(_TYPE_NAMES[t] for t in types)
+        raise InvalidRequest(f"{what} must be {expected}", param=param)
+
+
+def _check_field_types(kind: str, item: dict[str, Any], where: str) -> None:
+    """Raise InvalidRequest naming the first field of an input item whose JSON type is wrong (a number
+    where the prompt needs text), before anything renders it."""
+    for key, types in _FIELD_TYPES.get(kind, {}).items():
+        if key in item:
+            _must_be(item[key], types, f"{kind} '{key}'", f"{where}.{key}")
+    for key, fields in _OBJECT_LISTS.get(kind, {}).items():
+        entries = item.get(key)
+        _must_be(entries, (list, type(None)), f"{kind} '{key}'", f"{where}.{key}")
+        for j, entry in enumerate(entries or ()):
+            _must_be(entry, (dict,), f"{kind} '{key}' entries", f"{where}.{key}[{j}]")
+            for name, types in fields.items():
+                if name in entry:
+                    _must_be(entry[name], types, f"'{name}'", f"{where}.{key}[{j}].{name}")
 
 
 def part_text(parts: Any) -> str:

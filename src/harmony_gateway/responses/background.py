@@ -12,7 +12,8 @@ from typing import Any
 
 import anyio
 
-from ..errors import GatewayError, InvalidRequest, NotFound
+from ..errors import GatewayError, InvalidRequest, NotFound, is_failure
+from ..observability.logging import log_failure
 from ..pipeline.context import GatewayState, RequestContext, detached_context, run_cleanups
 from ..pipeline.drive import collect
 from ..pipeline.responses import ResponsePlan
@@ -111,15 +112,19 @@ async def _run_background(
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT):
             await _end_cancelled(state, plan, builder, feed)
         raise
-    except Exception as exc:
+    except BaseException as exc:
+        # Any failure, a dependency's panic included, ends the response `failed`, stored, with its
+        # terminal event; only KeyboardInterrupt and SystemExit pass through as they are.
+        if not is_failure(exc):
+            raise
         final = builder.final
         if final is None:
             message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
             if not isinstance(exc, GatewayError):
-                log.exception("background response %s failed", plan.response_id, exc_info=exc)
+                log_failure(log, f"background response {plan.response_id}", exc)
             final = builder.finish("failed", error={"code": "server_error", "message": message})
         else:
-            log.exception("background response %s could not be stored", plan.response_id, exc_info=exc)
+            log_failure(log, f"storing background response {plan.response_id}", exc)
         stored = False
         with contextlib.suppress(Exception):
             stored = await persist_status(state, plan, final, from_statuses=ACTIVE_STATUSES)

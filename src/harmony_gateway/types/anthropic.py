@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, StopStrings, at_most
+from .limits import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Schema, StopStrings, ToolDescriptionText, at_most
 from .tool_names import ToolName
 
 
@@ -29,8 +29,8 @@ class ToolParam(_Open):
     name: ToolName
     #: None or "custom" for client tools; Anthropic server tools carry a versioned type.
     type: str | None = None
-    description: str | None = None
-    input_schema: dict[str, Any] | None = None
+    description: ToolDescriptionText = None
+    input_schema: Schema = None
 
 
 class ToolChoiceParam(_Open):

@@ -6,7 +6,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_TOOLS, Seed, StopParam, TokenId, TopK, at_most
+from .limits import (
+    MAX_MESSAGES,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    Schema,
+    Seed,
+    StopParam,
+    TokenId,
+    ToolDescriptionText,
+    TopK,
+    at_most,
+)
 from .tool_names import ToolName
 
 
@@ -37,8 +48,8 @@ class ChatMessage(_Open):
 
 class FunctionDefinition(_Open):
     name: ToolName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
+    description: ToolDescriptionText = None
+    parameters: Schema = None
     strict: bool | None = None
 
 

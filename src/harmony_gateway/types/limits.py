@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import orjson
 from pydantic import AfterValidator, BeforeValidator, Field
 
 INT32_MAX = 2**31 - 1
@@ -34,8 +35,20 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-#: Items one conversation call may add (OpenAI: 20 per call); storage.MAX_CONVERSATION_ITEMS bounds the total.
+#: Items one conversation call may add (OpenAI: 20 per call); --max-conversation-items bounds the total.
 MAX_ITEMS_PER_CONVERSATION_CALL = 20
+
+# Text that openai-harmony's own encoder tokenizes (the developer message: instructions, tool descriptions
+# and schemas, response formats). Its pre-tokenizer panics on a run of about a million characters it
+# cannot split (fancy-regex's backtracking stack), so each is capped well under that; OpenAI documents
+# no cap for these, and agent clients send tool descriptions far over its 1,024 for Chat functions.
+
+#: Responses `instructions` (system messages are checked as they are rendered).
+MAX_INSTRUCTIONS_CHARS = 256 * 1024
+#: One tool's (or tool namespace's) description.
+MAX_TOOL_DESCRIPTION_CHARS = 64 * 1024
+#: One JSON schema (a tool's parameters, a response format), as compact JSON.
+MAX_SCHEMA_CHARS = 256 * 1024
 
 
 def at_most(limit: int, what: str) -> BeforeValidator:
@@ -82,3 +95,24 @@ def _check_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
 
 #: OpenAI's `metadata` object: checked as OpenAI checks it.
 Metadata = Annotated[dict[str, Any] | None, AfterValidator(_check_metadata)]
+
+
+def schema_too_large(schema: Any) -> bool:
+    """True when `schema` is over MAX_SCHEMA_CHARS as compact JSON. One nested too deep to serialize is
+    left to the renderer, which names the tool it cannot describe."""
+    try:
+        return len(orjson.dumps(schema)) > MAX_SCHEMA_CHARS
+    except orjson.JSONEncodeError:
+        return False
+
+
+def _check_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None and schema_too_large(value):
+        raise ValueError(f"JSON schemas are at most {MAX_SCHEMA_CHARS} characters as JSON")
+    return value
+
+
+#: A tool's JSON schema (Chat `parameters`, Anthropic `input_schema`), capped at MAX_SCHEMA_CHARS.
+Schema = Annotated[dict[str, Any] | None, AfterValidator(_check_schema)]
+#: A tool's description, capped at MAX_TOOL_DESCRIPTION_CHARS.
+ToolDescriptionText = Annotated[str | None, Field(max_length=MAX_TOOL_DESCRIPTION_CHARS)]

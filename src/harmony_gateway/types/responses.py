@@ -7,7 +7,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import MAX_ITEMS_PER_CONVERSATION_CALL, MAX_MESSAGES, MAX_TOOLS, Metadata, at_most
+from .limits import (
+    MAX_INSTRUCTIONS_CHARS,
+    MAX_ITEMS_PER_CONVERSATION_CALL,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    Metadata,
+    at_most,
+)
 from .tool_names import ResponsesTool
 
 
@@ -25,7 +32,7 @@ class ReasoningConfig(_Open):
 class ResponsesRequest(_Open):
     model: str
     input: Annotated[str | list[dict[str, Any]], at_most(MAX_MESSAGES, "input items")] = ""
-    instructions: str | None = None
+    instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
     tools: Annotated[list[ResponsesTool] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: str | dict[str, Any] | None = None
     reasoning: ReasoningConfig | None = None
