@@ -4,6 +4,7 @@ rendering over generated conversations."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -686,3 +687,60 @@ def test_a_long_text_renders_as_openai_harmony_renders_it() -> None:
     msg = Msg("user", text)
     assert len(text_pieces(text, ENCODE_PIECE_CHARS)) >= 4
     assert _renderer.render_message(msg) == get_encoding().render(msg.to_harmony())
+
+
+_instruction_texts = st.lists(
+    st.one_of(st.text(max_size=40), st.sampled_from([*_TRICKY, "\n", "  ", "# Tools", "\u00a7"])), max_size=80
+).map("".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prefix=prefixes(),
+    instructions=_instruction_texts,
+    pad=st.sampled_from(["", " ", "\n", "x" * 1100, "你好 " * 400, "\n\n" + "word " * 300]),
+)
+def test_long_instructions_spliced_in_equal_harmony_rendering(
+    prefix: PromptPrefix, instructions: str, pad: str
+) -> None:
+    """Instructions over SPLICE_INSTRUCTIONS_CHARS reach the developer message by placeholder and the fast
+    encoder: the prefix must stay exactly openai-harmony's."""
+    long = dataclasses.replace(prefix, instructions=pad + instructions + pad)
+    want = get_encoding().render_conversation(Conversation.from_messages(long.messages()))
+    assert PromptRenderer().render_prefix(long) == want
+
+
+@pytest.mark.parametrize("run", ["a" * 40_000, "你" * 40_000, "!" * 40_000])
+def test_long_instructions_with_one_long_run_render_fast(run: str) -> None:
+    """openai-harmony's own BPE takes seconds on one 40,000-character piece (quadratic); spliced
+    instructions take the fast encoder, so rendering costs what their length does."""
+    prefix = PromptPrefix(SystemOptions(), f"Remember this: {run}.", (FunctionTool("f", "d", None),))
+    tokens = PromptRenderer().render_prefix(prefix)
+    assert get_encoding().decode_utf8(tokens).count(run) == 1
+
+
+@pytest.mark.parametrize(
+    ("tool", "param"),
+    [
+        (FunctionTool("f", "x" * 300, None, param="tools[0]"), "tools[0]"),
+        (FunctionTool("f", "d", {"type": "object", "description": "你" * 300}, param="tools[1]"), "tools[1]"),
+        (FunctionTool("f", "d", {"enum": ["!" * 300]}, param="tools[2]"), "tools[2]"),
+    ],
+)
+def test_tool_text_openai_harmony_would_encode_slowly_is_a_400(tool: FunctionTool, param: str) -> None:
+    prefix = PromptPrefix(SystemOptions(), None, (tool,))
+    with pytest.raises(InvalidRequest) as info:
+        PromptRenderer().render_prefix(prefix)
+    assert info.value.param == param and "without a break" in info.value.message
+
+
+_raw_prompts = st.lists(
+    st.one_of(st.text(max_size=10), st.sampled_from([*_TRICKY, "<|start|>assistant", "<|reserved_200100|>"])),
+    max_size=20,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_raw_prompts)
+def test_raw_prompts_encode_as_openai_harmony_with_every_special_allowed(text: str) -> None:
+    assert _renderer.encode_with_special_tokens(text) == get_encoding().encode(text, allowed_special="all")

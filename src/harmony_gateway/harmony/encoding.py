@@ -9,6 +9,7 @@ cached per key, which tests prove identical to the library's one-shot rendering.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 import threading
@@ -16,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from openai_harmony import (
     Conversation,
     HarmonyEncoding,
@@ -72,6 +74,12 @@ def _assistant_header() -> tuple[int, ...]:
     return (START, *get_encoding().encode("assistant", allowed_special="all"))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SpecialTokens:
+    pattern: re.Pattern[str]
+    ids: dict[str, int]
+
+
 class PromptRenderer:
     """Renders Harmony prompts for completion, identical to openai-harmony's own rendering, much faster.
 
@@ -96,6 +104,7 @@ class PromptRenderer:
         self._frames: dict[tuple[Any, ...], tuple[list[int], list[int]]] = {}
         self._cache_size = cache_size
         self._sentinel_ids = self._encode_text(self._SENTINEL)
+        self._special_tokens: _SpecialTokens | None = None
 
     def _frame(self, msg: Msg) -> tuple[list[int], list[int]]:
         key = (msg.role, msg.channel, msg.recipient, msg.content_type, msg.name)
@@ -134,8 +143,9 @@ class PromptRenderer:
             with contextlib.suppress(KeyError):  # a render thread may have evicted it since `get`
                 self._prefix_cache.move_to_end(key)
             return cached
+        check_prefix_runs(prefix)
         try:
-            tokens = self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
+            tokens = self._render_prefix_tokens(prefix)
         except (ValueError, RuntimeError) as exc:  # HarmonyError and RecursionError are RuntimeErrors
             raise self._unrenderable(prefix, exc) from None
         except BaseException as exc:
@@ -148,6 +158,32 @@ class PromptRenderer:
         if len(self._prefix_cache) > self._cache_size:
             self._prefix_cache.popitem(last=False)
         return tokens
+
+    def _render_prefix_tokens(self, prefix: PromptPrefix) -> list[int]:
+        instructions = prefix.instructions
+        if instructions and len(instructions) > SPLICE_INSTRUCTIONS_CHARS and prefix.response_format is None:
+            spliced = self._render_with_spliced_instructions(prefix, instructions)
+            if spliced is not None:
+                return spliced
+        return self._encoding.render_conversation(Conversation.from_messages(prefix.messages()))
+
+    def _render_with_spliced_instructions(self, prefix: PromptPrefix, instructions: str) -> list[int] | None:
+        """The prefix rendered by openai-harmony with a placeholder for the instructions, whose developer
+        message text then gets the instructions back and is encoded by the fast encoder: openai-harmony
+        writes the instructions verbatim into that message's one text, which its BPE encodes in time
+        quadratic in a piece's length, and long instructions are where long pieces come from.
+        tests/harmony/test_render.py proves the result equal to openai-harmony's own. None when the
+        placeholder is not found once in the developer message's text (the caller renders the slow way)."""
+        probe = dataclasses.replace(prefix, instructions=_INSTRUCTIONS_PLACEHOLDER)
+        tokens = self._encoding.render_conversation(Conversation.from_messages(probe.messages()))
+        body_start = len(tokens) - 1 - tokens[::-1].index(MESSAGE)
+        if tokens[-1] != END:
+            return None
+        text = self._encoding.decode_utf8(tokens[body_start + 1 : -1])
+        if text.count(_INSTRUCTIONS_PLACEHOLDER) != 1:
+            return None
+        body = self._encode_text(text.replace(_INSTRUCTIONS_PLACEHOLDER, instructions))
+        return [*tokens[: body_start + 1], *body, END]
 
     def _unrenderable(self, prefix: PromptPrefix, exc: BaseException) -> InvalidRequest:
         """openai-harmony refused the system/developer messages: name the tool whose schema it cannot
@@ -195,11 +231,33 @@ class PromptRenderer:
         return tokens
 
     def _encode_with_harmony(self, text: str) -> list[int]:
+        check_runs(text, None)
         with client_text(None):
             return self._encoding.encode(text, allowed_special=set(), disallowed_special=())
 
     def encode_text(self, text: str) -> list[int]:
         return self._encode_text(text)
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """`encoding.encode(text, allowed_special="all")` (a raw prompt whose special-token text is meant
+        as those tokens), through the fast encoder: ordinary text between special tokens is encoded on
+        its own, as tiktoken's encoder does it, so long prompts never take openai-harmony's slow BPE."""
+        specials = self._specials()
+        tokens: list[int] = []
+        start = 0
+        for match in specials.pattern.finditer(text):
+            tokens += self._encode_text(text[start : match.start()])
+            tokens.append(specials.ids[match.group()])
+            start = match.end()
+        tokens += self._encode_text(text[start:])
+        return tokens
+
+    def _specials(self) -> _SpecialTokens:
+        if self._special_tokens is None:
+            names = sorted(self._encoding.special_tokens_set, key=len, reverse=True)
+            ids = {name: self._encoding.encode(name, allowed_special="all")[0] for name in names}
+            self._special_tokens = _SpecialTokens(re.compile("|".join(map(re.escape, names))), ids)
+        return self._special_tokens
 
 
 #: Code points where quicktok's and openai-harmony's encodings of ordinary text disagree (characters
@@ -243,6 +301,61 @@ _NEWER_UNICODE = re.compile(
 )
 
 
+#: Longer instructions are written into the developer message's text by placeholder and encoded by the
+#: fast encoder (`PromptRenderer._render_with_spliced_instructions`).
+SPLICE_INSTRUCTIONS_CHARS = 1024
+_INSTRUCTIONS_PLACEHOLDER = "\u00a7\u00a7instructions\u00a7\u00a7"
+#: openai-harmony's BPE takes time quadratic in the length of one pre-tokenizer piece (40,000 CJK
+#: characters take 6.6 s, 100,000 letters 10 s). Client text it still encodes itself (tool descriptions
+#: and schemas, a response format, instructions beside one, text with characters newer than the fast
+#: encoder's tables) may hold no run of non-space, or of space, characters longer than this: every piece
+#: is then at most this long and costs well under a millisecond.
+MAX_HARMONY_RUN = 256
+_LONG_RUN = re.compile(rf"\S{{{MAX_HARMONY_RUN + 1},}}|\s{{{MAX_HARMONY_RUN + 1},}}")
+
+
+def check_runs(text: str, param: str | None) -> None:
+    """Raises InvalidRequest naming `param` when `text` holds a run longer than MAX_HARMONY_RUN."""
+    match = _LONG_RUN.search(text)
+    if match is not None:
+        raise InvalidRequest(
+            f"the text holds a run of {match.end() - match.start()}+ characters without a break (a space, or "
+            f"a non-space); at most {MAX_HARMONY_RUN} are accepted here",
+            param=param,
+        )
+
+
+def _check_schema_runs(value: Any, param: str | None) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            check_runs(item, param)
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                check_runs(str(key), param)
+                stack.append(inner)
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def check_prefix_runs(prefix: PromptPrefix) -> None:
+    """Every client text of `prefix` that openai-harmony encodes itself passes `check_runs`."""
+    for tool in prefix.all_tools():
+        check_runs(tool.description, tool.param or "tools")
+        _check_schema_runs(tool.parameters, tool.param or "tools")
+    for namespace in prefix.namespaces:
+        check_runs(namespace.description, "tools")
+    response_format = prefix.response_format
+    if response_format is not None:
+        check_runs(response_format.description, "response_format")
+        _check_schema_runs(orjson.loads(response_format.schema_json), "response_format")
+        # Instructions beside a response format are not spliced (the format is a second text); short
+        # ones cost little whatever their runs.
+        if prefix.instructions and len(prefix.instructions) > SPLICE_INSTRUCTIONS_CHARS:
+            check_runs(prefix.instructions, "instructions")
+
+
 #: Longer texts are encoded piece by piece (`text_pieces`): the BPE holds the GIL for a whole call, and a
 #: piece this long takes about a millisecond, so a thread rendering an 8 MiB prompt leaves the event loop
 #: the GIL between pieces instead of for a third of a second.
@@ -259,7 +372,7 @@ def text_pieces(text: str, size: int) -> list[str]:
     pieces = []
     start = 0
     while len(text) - start > size:
-        boundary = _PIECE_BOUNDARY.search(text, start + size)
+        boundary = _PIECE_BOUNDARY.search(text, start + max(size, 1))
         if boundary is None:
             break
         pieces.append(text[start : boundary.start()])

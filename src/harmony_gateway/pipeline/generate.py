@@ -202,7 +202,7 @@ def encode_prompt(
         ids: list[int] = tok.tokenizer.encode(prompt, add_special_tokens=True).ids
         return ids
     with client_text(param):
-        return list(state.encoding.encode(prompt, allowed_special="all"))
+        return state.renderer.encode_with_special_tokens(prompt)
 
 
 async def encode_prompt_off_loop(
