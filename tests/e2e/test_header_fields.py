@@ -108,3 +108,19 @@ async def test_names_within_the_bound_still_render(gateway: RunningGateway) -> N
         response = await http.post("/v1/harmony/render", json={"api": "chat", "request": body})
     assert response.status_code == 200, response.text[:300]
     assert f"to=functions.{name}" in response.json()["prompt_text"]
+
+
+async def test_tool_calls_count_as_messages(gateway: RunningGateway) -> None:
+    """Tens of thousands of tool calls in two messages are held to the bound on messages, as Responses
+    `function_call` items are to the bound on input items."""
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": ""}} for i in range(5000)
+    ]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}],
+    }
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["param"] == "messages"
