@@ -84,3 +84,44 @@ async def test_parsing_a_long_text_costs_linear_time(gateway_for_stalls: Running
     [message] = stall.response.json()["messages"]
     assert message["channel"] == "final"
     assert stall.p99 < 0.05, (stall.p99, stall.latencies[-5:], len(stall.latencies), stall.took)
+
+
+#: Many small messages rather than one long one: decoding, validating, restoring and rendering grow with
+#: their number, not with the text's length. Validation refuses them (at most 4096 messages and tool
+#: calls, or input items), but the body is decoded first.
+MANY = 60_000
+
+
+def _many_messages() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A chat and a Responses body whose history holds MANY tool calls (about 5 MB each)."""
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": f"f{i % 1000}", "arguments": ""}}
+        for i in range(MANY)
+    ]
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}],
+    }
+    items = [
+        {"type": "function_call", "call_id": f"c{i}", "name": f"f{i % 1000}", "arguments": ""}
+        for i in range(MANY)
+    ]
+    responses = {"model": MODEL, "input": [{"type": "message", "role": "user", "content": "hi"}, *items]}
+    return chat, responses
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="orjson decodes a body in one call that holds the GIL: 60,000 small objects (5 MB) hold it "
+    "for about a quarter of a second, from whichever thread decodes them",
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+async def test_many_small_messages_leave_the_loop_free(gateway_for_stalls: RunningGateway, path: str) -> None:
+    chat, responses = _many_messages()
+    content = orjson.dumps(chat if path == "/v1/chat/completions" else responses)
+    assert len(content) < BODY_CAP
+    async with httpx.AsyncClient(base_url=gateway_for_stalls.url, timeout=120) as http:
+        post = http.post(path, content=content, headers={"content-type": "application/json"})
+        stall = await health_while(http, post, pause=0.005)
+    assert stall.response.status_code == 400, stall.response.text[:300]
+    assert stall.p99 < 0.05, (stall.p99, stall.latencies[-5:], len(stall.latencies), stall.took)
