@@ -124,3 +124,20 @@ async def test_tool_calls_count_as_messages(gateway: RunningGateway) -> None:
         response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text[:300]
     assert response.json()["error"]["param"] == "messages"
+
+
+async def test_tool_use_blocks_count_as_messages(gateway: RunningGateway) -> None:
+    """Each tool_use and tool_result block becomes a message of the prompt, so they count against the
+    bound on messages too."""
+    uses = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(5000)]
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": uses}],
+    }
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+        response = await http.post("/v1/messages", json=body)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]  # Anthropic's shape: the field is named in the message
+    assert error["type"] == "invalid_request_error"
+    assert "messages" in error["message"] and "tool blocks" in error["message"]

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .limits import (
-    MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
     Schema,
@@ -17,6 +16,7 @@ from .limits import (
     ToolDescriptionText,
     TopK,
     at_most,
+    within_history_bound,
 )
 from .tool_names import ToolName
 
@@ -58,23 +58,9 @@ class ChatTool(_Open):
     function: FunctionDefinition | None = None
 
 
-def _check_history_size(messages: Any) -> Any:
-    """At most MAX_MESSAGES messages and tool calls together, counted before any is validated: each tool
-    call becomes a message of the prompt (a Responses `function_call` item, which counts as an input item
-    there), so a few messages listing tens of thousands of calls are no cheaper to validate, convert,
-    restore and render than as many messages."""
-    if isinstance(messages, list):
-        calls = sum(
-            len(message["tool_calls"])
-            for message in messages
-            if isinstance(message, dict) and isinstance(message.get("tool_calls"), list)
-        )
-        if len(messages) + calls > MAX_MESSAGES:
-            raise ValueError(
-                f"at most {MAX_MESSAGES} messages and tool calls together are accepted, got "
-                f"{len(messages)} messages with {calls} tool calls"
-            )
-    return messages
+def _tool_calls(message: dict[str, Any]) -> int:
+    calls = message.get("tool_calls")
+    return len(calls) if isinstance(calls, list) else 0
 
 
 class StreamOptions(_Open):
@@ -84,7 +70,9 @@ class StreamOptions(_Open):
 
 class ChatCompletionRequest(_Open):
     model: str
-    messages: Annotated[list[ChatMessage], BeforeValidator(_check_history_size)] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], within_history_bound(_tool_calls, "tool calls")] = Field(
+        min_length=1
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=16)
