@@ -111,7 +111,7 @@ def _many_messages() -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,  # how many /health polls fall inside the stall varies: sometimes p99 misses it
     reason="orjson decodes a body in one call that holds the GIL: 60,000 small objects (5 MB) hold it "
     "for about a quarter of a second, from whichever thread decodes them",
 )
