@@ -77,3 +77,17 @@ async def test_the_largest_allowed_request_leaves_the_loop_free(
     p95 = stall.percentile(0.95)
     assert p95 < 0.05, (p95, stall.latencies[-5:], len(stall.latencies), stall.took)
     assert stall.longest_stall < 0.25, (stall.longest_stall, stall.took)
+
+
+async def test_parsing_a_long_text_costs_linear_time(gateway_for_stalls: RunningGateway) -> None:
+    """Text with Harmony markers is encoded before it is parsed: by the fast encoder, never by
+    openai-harmony's own BPE, which is quadratic in a piece's length (100,000 CJK characters in one
+    piece would hold a worker thread for most of a minute; here they take milliseconds)."""
+    text = "<|start|>assistant<|channel|>final<|message|>" + "中" * 100_000 + "<|return|>"
+    async with httpx.AsyncClient(base_url=gateway_for_stalls.url, timeout=20) as http:
+        stall = await health_while(http, http.post("/v1/harmony/parse", json={"text": text}))
+    assert stall.response.status_code == 200, stall.response.text[:300]
+    [message] = stall.response.json()["messages"]
+    assert message["channel"] == "final"
+    assert stall.took < 10, stall.took
+    assert stall.longest_stall < 0.25, (stall.longest_stall, stall.took)

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harmony_gateway.errors import InvalidRequest
-from harmony_gateway.pipeline.reasoning_store import KEY_NAME, ReasoningVault, reasoning_vault
+from harmony_gateway.pipeline.reasoning_store import (
+    KEY_NAME,
+    MAX_RECALLED_TURNS,
+    RECALL_IDS_PER_TURN,
+    ReasoningVault,
+    reasoning_vault,
+    recall_analyses,
+)
 from harmony_gateway.storage.memory import MemoryStore
 
 KEY = b"k" * 32
@@ -95,3 +102,31 @@ async def test_tenant_and_call_id_cannot_be_shifted_into_each_other() -> None:
     assert ReasoningVault(KEY, store, owner="a").sign("bc") != ReasoningVault(KEY, store, owner="ab").sign(
         "c"
     )
+
+
+class _CountingStore(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookups = 0
+
+    async def get_value(self, key: str, *, now: float) -> dict[str, Any] | None:
+        self.lookups += 1
+        return await super().get_value(key, now=now)
+
+
+async def test_restoring_a_request_costs_a_bounded_number_of_lookups() -> None:
+    """A request listing 60,000 tool calls, in one turn or in as many, is not 60,000 storage lookups;
+    the newest turns are still restored by any of their first ids."""
+    store = _CountingStore()
+    state = _State(store)
+    vault = await reasoning_vault(state, "tenant")
+    await vault.remember(["call_last"], "the newest analysis")
+    store.lookups = 0
+    one_turn = {1: [f"call_{i}" for i in range(60_000)]}
+    assert await recall_analyses(state, "tenant", one_turn) == {}
+    assert store.lookups <= RECALL_IDS_PER_TURN
+    store.lookups = 0
+    many_turns = {i: [f"call_{i}"] for i in range(60_000)}
+    many_turns[60_000] = ["call_x", "call_last"]
+    assert await recall_analyses(state, "tenant", many_turns) == {60_000: "the newest analysis"}
+    assert store.lookups <= MAX_RECALLED_TURNS + 1

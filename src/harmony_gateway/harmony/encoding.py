@@ -110,6 +110,7 @@ class PromptRenderer:
         key = (msg.role, msg.channel, msg.recipient, msg.content_type, msg.name)
         frame = self._frames.get(key)
         if frame is None:
+            check_header_fields(msg)
             probe = msg._replace(text=self._SENTINEL)
             with client_text(None):  # a recipient or author name from the request
                 tokens = self._encoding.render(probe.to_harmony())
@@ -325,6 +326,24 @@ def check_runs(text: str, param: str | None) -> None:
         )
 
 
+#: A header field (channel, recipient, content type, author name) may be this long: the output parsers
+#: drop a model's header with a longer one (harmony/token_parser.py), and a history message holding one,
+#: which only a client can make up, is refused: openai-harmony encodes header fields itself, in time
+#: quadratic in their length.
+MAX_HEADER_FIELD_CHARS = 256
+
+
+def check_header_fields(msg: Msg) -> None:
+    """Raises InvalidRequest when a header field of `msg` (a tool call's name, say) is over-long."""
+    for field in ("recipient", "name", "channel", "content_type"):
+        value = getattr(msg, field)
+        if value is not None and len(value) > MAX_HEADER_FIELD_CHARS:
+            raise InvalidRequest(
+                f"a {msg.role} message's {field.replace('_', ' ')} (a tool call's name, say) holds "
+                f"{len(value)} characters; at most {MAX_HEADER_FIELD_CHARS} are accepted"
+            )
+
+
 def _check_schema_runs(value: Any, param: str | None) -> None:
     stack = [value]
     while stack:
@@ -348,6 +367,7 @@ def check_prefix_runs(prefix: PromptPrefix) -> None:
         check_runs(namespace.description, "tools")
     response_format = prefix.response_format
     if response_format is not None:
+        check_runs(response_format.name, "response_format")
         check_runs(response_format.description, "response_format")
         _check_schema_runs(orjson.loads(response_format.schema_json), "response_format")
         # Instructions beside a response format are not spliced (the format is a second text); short

@@ -29,7 +29,16 @@ from collections.abc import Callable, Iterable, Sequence
 from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamState
 
 from ..errors import UpstreamBadOutput
-from .encoding import CALL, CHANNEL, CONSTRAIN, END, FIRST_SPECIAL_ID, MESSAGE, RETURN
+from .encoding import (
+    CALL,
+    CHANNEL,
+    CONSTRAIN,
+    END,
+    FIRST_SPECIAL_ID,
+    MAX_HEADER_FIELD_CHARS,
+    MESSAGE,
+    RETURN,
+)
 from .encoding import START as START_TOKEN
 from .stream_parser import StreamParser
 from .stream_parser import token_bytes as _token_bytes
@@ -79,9 +88,8 @@ _MAX_CHANNEL_TOKENS = 4
 #: A message header (role, channel, recipient, content type) longer than this is malformed: real ones are a
 #: few tokens. Bounding it bounds the parser's work per header.
 MAX_HEADER_TOKENS = 256
-#: Nor may its channel, recipient or content type be longer than this (one token can hold many characters;
-#: tool names are at most 64).
-MAX_HEADER_FIELD_CHARS = 256
+# Nor may its channel, recipient or content type be longer than MAX_HEADER_FIELD_CHARS (one token can hold
+# many characters; tool names are at most 64): the bound history messages are held to in prompts too.
 _LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
 

@@ -340,8 +340,9 @@ def parse_output(
             )
         if not _SPECIAL.search(text):
             return _parse_stripped(text)
+        # The fast encoder, as for prompts: openai-harmony's own BPE is quadratic in a piece's length.
         with client_text("text"):
-            ids = state.encoding.encode(text, allowed_special="all")
+            ids = state.renderer.encode_with_special_tokens(text)
         source = "text"
         if len(ids) > max_tokens:
             raise InvalidRequest(f"text encodes to more than {max_tokens} tokens", param="text")

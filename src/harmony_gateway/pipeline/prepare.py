@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from ..engines.base import SamplingOptions
 from ..errors import InvalidRequest
-from ..harmony.encoding import ASSISTANT_STOP_IDS
+from ..harmony.encoding import ASSISTANT_STOP_IDS, PromptRenderer
 from ..harmony.messages import (
     FunctionTool,
     Msg,
@@ -429,17 +431,28 @@ def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 #: Characters of text the event loop encodes itself; more goes to a thread (quicktok encodes ~8 MB a
 #: second here, so this holds the loop for about a millisecond at most).
 LOOP_ENCODE_CHARS = 8192
+#: Messages the event loop renders itself; more go to a thread. However short its text, a message whose
+#: header was not rendered before (a tool name new to this process) costs openai-harmony about 0.3 ms.
+LOOP_MESSAGES = 256
+
+
+def renders_on_loop(renderer: PromptRenderer, prefix: PromptPrefix, messages: Sequence[Msg]) -> bool:
+    """Whether rendering `messages` after `prefix` is cheap enough for the event loop: the prefix is
+    cached, and the messages are few and short."""
+    return (
+        len(messages) <= LOOP_MESSAGES
+        and renderer.has_prefix(prefix)
+        and sum(len(m.text) for m in messages) <= LOOP_ENCODE_CHARS
+    )
 
 
 async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: list[Msg]) -> list[int]:
-    """Render on the loop when the prefix is cached and the history short (~10 µs), in a thread
-    otherwise (openai-harmony renders a fresh system+developer prefix in about a millisecond, and a long
-    history costs its length in encoding), so one request never stalls the others."""
+    """Render on the loop when `renders_on_loop` (~10 µs), in a thread otherwise (openai-harmony renders a
+    fresh system+developer prefix in about a millisecond, and a long history costs its length in
+    encoding), so one request never stalls the others."""
     renderer = state.renderer
-    if renderer.has_prefix(prefix) and sum(len(m.text) for m in history) <= LOOP_ENCODE_CHARS:
+    if renders_on_loop(renderer, prefix, history):
         return renderer.render_for_completion(prefix, history)
-    import anyio
-
     return await anyio.to_thread.run_sync(renderer.render_for_completion, prefix, history)
 
 

@@ -188,14 +188,22 @@ def turn_remembering(state: Any, owner: str) -> Callable[[Any], Awaitable[None]]
     return remember_turn
 
 
+#: Bounds on the storage lookups restoring one request's reasoning (`recall_analyses`).
+MAX_RECALLED_TURNS = 256
+RECALL_IDS_PER_TURN = 4
+
+
 async def recall_analyses(state: Any, owner: str, turns: dict[int, list[str]]) -> dict[int, str]:
     """Analysis remembered for tenant `owner` per assistant turn (index → text), for turns given as
-    index → their call ids."""
+    index → their call ids. At most the newest `MAX_RECALLED_TURNS` turns are looked up, by their first
+    `RECALL_IDS_PER_TURN` ids: a turn's analysis is kept under each of its ids, and a request is not
+    free to make one storage lookup per call it lists."""
     if not turns:
         return {}
+    newest = sorted(turns)[-MAX_RECALLED_TURNS:]
     try:
         vault = await reasoning_vault(state, owner)
-        found = {i: await vault.recall(ids) for i, ids in turns.items()}
+        found = {i: await vault.recall(turns[i][:RECALL_IDS_PER_TURN]) for i in newest}
     except Exception as exc:
         log.warning("could not restore the analysis of earlier tool calls: %s", exc)
         return {}

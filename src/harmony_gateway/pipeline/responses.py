@@ -60,13 +60,13 @@ from .history_window import history_byte_budget, history_too_long, newest_that_f
 from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
 from .parse_output import feed_chunk, parse_chunk
 from .prepare import (
-    LOOP_ENCODE_CHARS,
     HarmonyTurn,
     apply_tool_choice,
     forces_tool_call,
     harmony_request,
     prompt_cache_key_of,
     render_prompt,
+    renders_on_loop,
     response_format_of,
     sampling_options,
     utc_date,
@@ -550,8 +550,7 @@ async def fit_history(
         return history
     assert prepared.prefix is not None
     count = functools.partial(newest_that_fit, state.renderer, prepared.prefix, history, turn, context_tokens)
-    chars = sum(len(m.text) for m in history) + sum(len(m.text) for m in turn)
-    if state.renderer.has_prefix(prepared.prefix) and chars <= LOOP_ENCODE_CHARS:
+    if renders_on_loop(state.renderer, prepared.prefix, [*history, *turn]):
         kept = count()
     else:
         kept = await anyio.to_thread.run_sync(count)

@@ -11,7 +11,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Schema, StopStrings, ToolDescriptionText, at_most
+from .limits import (
+    INT32_MAX,
+    MAX_TOOLS,
+    Schema,
+    StopStrings,
+    ToolDescriptionText,
+    at_most,
+    within_history_bound,
+)
 from .tool_names import ToolName
 
 
@@ -23,6 +31,22 @@ class MessageParam(_Open):
     #: "system" is the mid-conversation system message of the `mid-conversation-system` beta.
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
+
+
+#: Content blocks that become prompt messages of their own.
+_TOOL_BLOCK_TYPES = frozenset(
+    {"tool_use", "tool_result", "server_tool_use", "mcp_tool_use", "mcp_tool_result"}
+)
+
+
+def _tool_blocks(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return 0
+    # Counted before validation: a block's type may be any JSON value, and is checked (a 400) later.
+    return sum(
+        1 for block in content if isinstance(block, dict) and str(block.get("type")) in _TOOL_BLOCK_TYPES
+    )
 
 
 class ToolParam(_Open):
@@ -50,7 +74,9 @@ class OutputConfigParam(_Open):
 
 class CountTokensRequest(_Open):
     model: str
-    messages: Annotated[list[MessageParam], at_most(MAX_MESSAGES, "messages")] = Field(min_length=1)
+    messages: Annotated[list[MessageParam], within_history_bound(_tool_blocks, "tool blocks")] = Field(
+        min_length=1
+    )
     system: str | list[dict[str, Any]] | None = None
     tools: Annotated[list[ToolParam] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: ToolChoiceParam | None = None

@@ -7,7 +7,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .limits import (
-    MAX_MESSAGES,
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
     Schema,
@@ -17,6 +16,7 @@ from .limits import (
     ToolDescriptionText,
     TopK,
     at_most,
+    within_history_bound,
 )
 from .tool_names import ToolName
 
@@ -58,6 +58,11 @@ class ChatTool(_Open):
     function: FunctionDefinition | None = None
 
 
+def _tool_calls(message: dict[str, Any]) -> int:
+    calls = message.get("tool_calls")
+    return len(calls) if isinstance(calls, list) else 0
+
+
 class StreamOptions(_Open):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -65,7 +70,9 @@ class StreamOptions(_Open):
 
 class ChatCompletionRequest(_Open):
     model: str
-    messages: Annotated[list[ChatMessage], at_most(MAX_MESSAGES, "messages")] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], within_history_bound(_tool_calls, "tool calls")] = Field(
+        min_length=1
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=16)

@@ -4,6 +4,7 @@ the engine request is built."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import orjson
@@ -59,6 +60,26 @@ def at_most(limit: int, what: str) -> BeforeValidator:
         if isinstance(value, list) and len(value) > limit:
             raise ValueError(f"at most {limit} {what} are accepted, got {len(value)}")
         return value
+
+    return BeforeValidator(check)
+
+
+def within_history_bound(parts_of: Callable[[dict[str, Any]], int], parts: str) -> BeforeValidator:
+    """A messages list holds at most MAX_MESSAGES messages and `parts` together, counted before any
+    message is validated. `parts_of(message)` counts what a message holds that becomes a prompt message of
+    its own (a tool call, a tool result block), as each Responses `function_call` item counts as an input
+    item: a few messages listing tens of thousands of calls are no cheaper to validate, convert, restore
+    and render than as many messages."""
+
+    def check(messages: Any) -> Any:
+        if isinstance(messages, list):
+            held = sum(parts_of(message) for message in messages if isinstance(message, dict))
+            if len(messages) + held > MAX_MESSAGES:
+                raise ValueError(
+                    f"at most {MAX_MESSAGES} messages and {parts} together are accepted, got "
+                    f"{len(messages)} messages with {held} {parts}"
+                )
+        return messages
 
     return BeforeValidator(check)
 
