@@ -36,17 +36,6 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-async def docs_calls() -> list[tuple[str, dict[str, Any]]]:
-    return []
-
-
-@pytest.fixture(scope="module")
-async def docs(docs_calls) -> AsyncIterator[RunningMcp]:
-    async with serve_mcp(build_docs_server(docs_calls)) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 async def browser_calls() -> list[tuple[str, dict[str, Any]]]:
     return []
 

@@ -18,23 +18,12 @@ import pytest
 from harmony_gateway.harmony.encoding import get_encoding
 from harmony_gateway.sim import RunningSim
 from tests.conftest import MODEL
-from tests.mcp.servers import RunningMcp, build_docs_server, serve_mcp
+from tests.mcp.servers import RunningMcp
 from tests.support.servers import RunningGateway, running_gateway, test_settings
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 #: The gateway's `--max-tool-calls`.
 SERVER_MAX_TOOL_CALLS = 2
-
-
-@pytest.fixture(scope="module")
-async def docs_calls() -> list[tuple[str, dict[str, Any]]]:
-    return []
-
-
-@pytest.fixture(scope="module")
-async def docs(docs_calls) -> AsyncIterator[RunningMcp]:
-    async with serve_mcp(build_docs_server(docs_calls)) as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
