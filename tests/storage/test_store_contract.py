@@ -30,6 +30,13 @@ ALICE = "owner-alice"
 BOB = "owner-bob"
 
 
+async def load_chain(
+    store: Store, response_id: str, owner: str, *, max_depth: int = 100
+) -> list[StoredResponse]:
+    """The whole chain: `load_recent_chain` without a byte budget."""
+    return (await store.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)).responses
+
+
 def rid(prefix: str = "resp") -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -174,7 +181,7 @@ async def test_owner_isolation_for_responses(store: Store) -> None:
     assert await store.list_input_items(stored.id, BOB) is None
     assert await store.delete_response(stored.id, BOB) is False
     with pytest.raises(errors.InvalidRequest):
-        await store.load_chain(stored.id, BOB)
+        await load_chain(store, stored.id, BOB)
     # The owner still has everything, events included.
     assert await store.get_response(stored.id, ALICE) == stored
     assert len(await store.list_events(stored.id)) == 1
@@ -244,15 +251,15 @@ async def test_load_chain_oldest_first(store: Store) -> None:
     third = response(previous_response_id=second.id)
     for r in (first, second, third):
         await store.put_response(r)
-    chain = await store.load_chain(third.id, ALICE)
+    chain = await load_chain(store, third.id, ALICE)
     assert [r.id for r in chain] == [first.id, second.id, third.id]
     assert chain[0] == first
-    assert [r.id for r in await store.load_chain(first.id, ALICE)] == [first.id]
+    assert [r.id for r in await load_chain(store, first.id, ALICE)] == [first.id]
 
 
 async def test_load_chain_missing_head(store: Store) -> None:
     with pytest.raises(errors.InvalidRequest) as excinfo:
-        await store.load_chain("resp_missing", ALICE)
+        await load_chain(store, "resp_missing", ALICE)
     assert excinfo.value.param == "previous_response_id"
     assert excinfo.value.code == "previous_response_not_found"
     assert excinfo.value.status_code == 400
@@ -261,13 +268,13 @@ async def test_load_chain_missing_head(store: Store) -> None:
 async def test_load_chain_stops_at_a_missing_or_foreign_ancestor(store: Store) -> None:
     orphan = response(previous_response_id="resp_deleted_long_ago")
     await store.put_response(orphan)
-    assert [r.id for r in await store.load_chain(orphan.id, ALICE)] == [orphan.id]
+    assert [r.id for r in await load_chain(store, orphan.id, ALICE)] == [orphan.id]
 
     foreign = response(owner=BOB)
     mine = response(previous_response_id=foreign.id)
     await store.put_response(foreign)
     await store.put_response(mine)
-    assert [r.id for r in await store.load_chain(mine.id, ALICE)] == [mine.id]
+    assert [r.id for r in await load_chain(store, mine.id, ALICE)] == [mine.id]
 
 
 async def test_load_chain_cycle(store: Store) -> None:
@@ -276,12 +283,12 @@ async def test_load_chain_cycle(store: Store) -> None:
     await store.put_response(response(a, previous_response_id=c))
     await store.put_response(response(b, previous_response_id=a))
     await store.put_response(response(c, previous_response_id=b))
-    chain = await store.load_chain(c, ALICE)
+    chain = await load_chain(store, c, ALICE)
     assert [r.id for r in chain] == [a, b, c]
 
     self_loop = rid()
     await store.put_response(response(self_loop, previous_response_id=self_loop))
-    assert [r.id for r in await store.load_chain(self_loop, ALICE)] == [self_loop]
+    assert [r.id for r in await load_chain(store, self_loop, ALICE)] == [self_loop]
 
 
 async def test_load_chain_max_depth_keeps_the_newest(store: Store) -> None:
@@ -292,11 +299,11 @@ async def test_load_chain_max_depth_keeps_the_newest(store: Store) -> None:
         await store.put_response(r)
         chain_ids.append(r.id)
         previous = r.id
-    chain = await store.load_chain(chain_ids[-1], ALICE, max_depth=4)
+    chain = await load_chain(store, chain_ids[-1], ALICE, max_depth=4)
     assert [r.id for r in chain] == chain_ids[-4:]
-    assert [r.id for r in await store.load_chain(chain_ids[-1], ALICE, max_depth=1)] == chain_ids[-1:]
+    assert [r.id for r in await load_chain(store, chain_ids[-1], ALICE, max_depth=1)] == chain_ids[-1:]
     with pytest.raises(ValueError):
-        await store.load_chain(chain_ids[-1], ALICE, max_depth=0)
+        await load_chain(store, chain_ids[-1], ALICE, max_depth=0)
 
 
 async def test_load_recent_chain_reads_the_newest_within_the_budget(store: Store) -> None:

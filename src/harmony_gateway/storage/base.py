@@ -268,24 +268,20 @@ class Store(Protocol):
         """
         ...
 
-    async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
-        """The response and its ancestors by `previous_response_id`, oldest first.
-
-        Raises errors.InvalidRequest (param `previous_response_id`, code
-        `previous_response_not_found`) if `response_id` itself is missing or not visible. A missing
-        or invisible ancestor ends the walk there, as does a cycle (the walk stops before repeating
-        a response). At most `max_depth` (>= 1, else ValueError) responses are returned: the newest
-        ones; older ancestors are dropped.
-        """
-        ...
-
     async def load_recent_chain(
         self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
     ) -> RecentChain:
-        """`load_chain` within a byte budget: the response itself always, then its ancestors newest first
-        while their `replay_size`s (the response's own included) sum to at most `max_bytes` (None: no
-        budget). Ancestors past the budget are not read; `omitted` says one exists. Raises as
-        `load_chain` does, and ValueError for `max_bytes < 0`."""
+        """The response and its ancestors by `previous_response_id`, oldest first, within a byte budget:
+        the response itself always, then its ancestors newest first while their `replay_size`s (the
+        response's own included) sum to at most `max_bytes` (None: no budget). Ancestors past the budget
+        are not read; `omitted` says one exists. There is no unbudgeted read on purpose: what a turn
+        loads is bounded by what its context can show.
+
+        Raises errors.InvalidRequest (param `previous_response_id`, code `previous_response_not_found`)
+        if `response_id` itself is missing or not visible; ValueError for `max_bytes < 0` or
+        `max_depth < 1`. A missing or invisible ancestor ends the walk there, as does a cycle (the walk
+        stops before repeating a response). At most `max_depth` responses are returned: the newest ones.
+        """
         ...
 
     async def list_responses_with_status(

@@ -553,11 +553,6 @@ class SqlStore:
             return None
         return paginate(row.input_items, after=after, limit=limit, order=order)
 
-    async def load_chain(self, response_id: str, owner: str, *, max_depth: int = 100) -> list[StoredResponse]:
-        return (
-            await self.load_recent_chain(response_id, owner, max_bytes=None, max_depth=max_depth)
-        ).responses
-
     async def load_recent_chain(
         self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
     ) -> RecentChain:
