@@ -10,6 +10,7 @@ import math
 import uuid
 
 import httpx
+import orjson
 import pytest
 
 from harmony_gateway.sim import SimConfig
@@ -165,3 +166,23 @@ async def test_local_bucket_keeps_a_debt_until_refilled(monkeypatch: pytest.Monk
     assert len(buckets) == 0
     # A settlement gives back at most up to the limit.
     assert (await buckets.run("k", 60, "charge", -500)).level == 60
+
+
+async def test_a_body_traffic_control_decoded_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reserving tokens needs the body's output limit, so traffic control decodes it; the route takes
+    that decoded body instead of decoding the same (up to 8 MiB) bytes a second time."""
+    marker = "decode-me-once " * 30_000
+    decoded: list[int] = []
+    loads = orjson.loads
+
+    def counting_loads(data: bytes | str) -> object:
+        if len(data) > len(marker):
+            decoded.append(len(data))
+        return loads(data)
+
+    monkeypatch.setattr(orjson, "loads", counting_loads)
+    async with sim_and_gateway(token_rate_limit=10_000_000, api_keys=frozenset({"k"})) as (_, gw):
+        async with httpx.AsyncClient(base_url=gw.url, timeout=60) as http:
+            r = await http.post("/v1/chat/completions", json=_chat(marker, max_tokens=4), headers=_auth("k"))
+    assert r.status_code == 200, r.text
+    assert len(decoded) == 1

@@ -19,7 +19,9 @@ from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.run import run_chat
 from ..principal import ADMIN, Principal, authenticate
+from ..traffic.middleware import DECODED_BODY
 from ..types.chat import ChatCompletionRequest
+from ..types.limits import LOOP_BODY_BYTES
 from .coalesce import coalesce
 from .error_responses import param_from_loc
 from .wire_errors import openai_error_frame
@@ -83,12 +85,14 @@ def new_context(
     return ctx
 
 
-#: Bodies up to this size are decoded and validated on the event loop (well under a millisecond);
-#: larger ones in a thread, so one big request never delays the others' streams.
-LOOP_BODY_BYTES = 256 * 1024
-
-
 async def json_body(request: Request) -> dict[str, Any]:
+    """The request's JSON object; decoded once per request (traffic control may have decoded it already
+    to estimate its tokens, `DECODED_BODY`), in a thread when large."""
+    decoded = request.scope.get("state", {}).pop(DECODED_BODY, None)
+    if decoded is not None:
+        if _declared_size(request) <= LOOP_BODY_BYTES:
+            return json_object(decoded)
+        return await anyio.to_thread.run_sync(json_object, decoded)
     body = await request.body()
     if len(body) <= LOOP_BODY_BYTES:
         return decode_json_object(body)
@@ -100,10 +104,20 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    return json_object(data)
+
+
+def json_object(data: Any) -> dict[str, Any]:
+    """`data` when it is a JSON object nested at most MAX_JSON_DEPTH deep; InvalidRequest otherwise."""
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     check_depth(data)
     return data
+
+
+def _declared_size(request: Request) -> int:
+    size = request.headers.get("content-length", "")
+    return int(size) if size.isdigit() else LOOP_BODY_BYTES + 1
 
 
 async def validate_body(schema: type[BaseModel], body: dict[str, Any], request: Request) -> Any:

@@ -35,12 +35,12 @@ import orjson
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api.routes import LOOP_BODY_BYTES
 from ..api.wire_errors import error_body, terminal_frame
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
 from ..principal import authenticate, presented_key
 from ..settings import Settings
+from ..types.limits import LOOP_BODY_BYTES
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
@@ -418,7 +418,7 @@ class TrafficMiddleware:
             tokens: int | None = None
             if cost.tokens and control.token_limit(policy):
                 try:
-                    tokens, receive = await _estimate_from_body(receive)
+                    tokens, receive = await _estimate_from_body(scope, receive)
                 except GatewayError as exc:  # the body broke --max-body-bytes or --body-timeout
                     await _send_error(watch, path, exc, request_id, [])
                     return
@@ -543,16 +543,22 @@ class _ResponseWatch:
                 await self._send({"type": "http.response.body", "body": frame, "more_body": False})
 
 
+#: The request state key under which traffic control leaves the JSON it decoded for the route's
+#: `json_body` (api/routes.py), which takes it once.
+DECODED_BODY = "decoded_json_body"
+
+
 def _declared_length(headers: Headers) -> int:
     value = headers.get("content-length", "")
     return int(value) if value.isdigit() else 0
 
 
-async def _estimate_from_body(receive: Receive) -> tuple[int, Receive]:
+async def _estimate_from_body(scope: Scope, receive: Receive) -> tuple[int, Receive]:
     """The tokens a generation request may use (`estimate_tokens`), read from its body, and the
     `receive` that replays the body to the app. The body is bounded by the request guard outside
     (--max-body-bytes, --body-timeout), whose errors propagate; a body that is not JSON is estimated
-    by its size alone and left for the route to refuse."""
+    by its size alone and left for the route to refuse. What was decoded is kept for the route
+    (`DECODED_BODY`), so an 8 MiB body is decoded once, not twice."""
     messages: list[Message] = []
     while True:
         message = await receive()
@@ -567,6 +573,8 @@ async def _estimate_from_body(receive: Receive) -> tuple[int, Receive]:
             request = await anyio.to_thread.run_sync(orjson.loads, body)
     except orjson.JSONDecodeError:
         request = None
+    if request is not None:
+        scope.setdefault("state", {})[DECODED_BODY] = request
 
     async def replay() -> Message:
         if messages:

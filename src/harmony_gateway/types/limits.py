@@ -137,3 +137,7 @@ def _check_schema(value: dict[str, Any] | None) -> dict[str, Any] | None:
 Schema = Annotated[dict[str, Any] | None, AfterValidator(_check_schema)]
 #: A tool's description, capped at MAX_TOOL_DESCRIPTION_CHARS.
 ToolDescriptionText = Annotated[str | None, Field(max_length=MAX_TOOL_DESCRIPTION_CHARS)]
+
+#: Bodies up to this size are decoded and validated on the event loop (well under a millisecond);
+#: larger ones in a thread, so one big request never delays the others' streams.
+LOOP_BODY_BYTES = 256 * 1024
