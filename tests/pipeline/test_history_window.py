@@ -3,12 +3,16 @@ the longest suffix of the history that renders within the context."""
 
 from __future__ import annotations
 
+import asyncio
+from unittest import mock
+
 import quicktok
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harmony_gateway.harmony.encoding import FIRST_SPECIAL_ID, PromptRenderer
 from harmony_gateway.harmony.messages import Msg, PromptPrefix, SystemOptions, drop_old_analysis
+from harmony_gateway.pipeline import offload
 from harmony_gateway.pipeline.history_window import MAX_TOKEN_BYTES, history_byte_budget, newest_that_fit
 
 _renderer = PromptRenderer()
@@ -43,11 +47,14 @@ def rendered_length(history: list[Msg], turn: list[Msg]) -> int:
     history=st.lists(messages, max_size=12),
     turn=st.lists(messages, min_size=1, max_size=2),
     context=st.integers(min_value=1, max_value=1500),
+    on_loop=st.booleans(),
+    thread_batch=st.integers(min_value=1, max_value=5),
 )
 def test_keeps_the_longest_suffix_that_renders_within_the_context(
-    history: list[Msg], turn: list[Msg], context: int
+    history: list[Msg], turn: list[Msg], context: int, on_loop: bool, thread_batch: int
 ) -> None:
-    kept = newest_that_fit(_renderer, _prefix, history, turn, context)
+    with mock.patch.object(offload, "THREAD_BATCH", thread_batch):  # batches end anywhere in the history
+        kept = asyncio.run(newest_that_fit(_renderer, _prefix, history, turn, context, on_loop=on_loop))
     suffix = history[len(history) - kept :]
     if rendered_length(suffix, turn) >= context:
         # Only the messages the drop rule removes anyway can be kept when nothing else fits.

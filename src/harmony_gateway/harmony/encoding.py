@@ -70,7 +70,8 @@ def is_special(token_id: int) -> bool:
 
 
 @functools.cache
-def _assistant_header() -> tuple[int, ...]:
+def assistant_header() -> tuple[int, ...]:
+    """The tokens every completion prompt ends with: the start of the assistant's turn."""
     return (START, *get_encoding().encode("assistant", allowed_special="all"))
 
 
@@ -214,7 +215,7 @@ class PromptRenderer:
             tokens += head
             tokens += self._encode_text(msg.text)
             tokens += tail
-        tokens += _assistant_header()
+        tokens += assistant_header()
         return tokens
 
     def _encode_text(self, text: str) -> list[int]:

@@ -16,9 +16,14 @@ the conversation); `"disabled"` answers 400 `context_length_exceeded` instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import anyio
+
 from ..errors import InvalidRequest
-from ..harmony.encoding import PromptRenderer
+from ..harmony.encoding import PromptRenderer, assistant_header
 from ..harmony.messages import Msg, PromptPrefix, drop_old_analysis
+from .offload import batches, map_off_loop
 
 #: Bytes of the longest token in o200k_harmony's vocabulary (a run of 128 spaces); checked against the
 #: vocabulary by tests/pipeline/test_history_window.py.
@@ -49,30 +54,67 @@ def history_too_long(context_tokens: int) -> InvalidRequest:
     )
 
 
-def newest_that_fit(
-    renderer: PromptRenderer, prefix: PromptPrefix, history: list[Msg], turn: list[Msg], context_tokens: int
+async def newest_that_fit(
+    renderer: PromptRenderer,
+    prefix: PromptPrefix,
+    history: list[Msg],
+    turn: list[Msg],
+    context_tokens: int,
+    *,
+    on_loop: bool,
 ) -> int:
     """How many of the newest `history` messages fit in the context together with the prefix, `turn`
     (this request's messages) and the assistant header the prompt ends with. CPU work proportional to
-    what fits (plus one message): run it in a thread for a long history.
+    what fits (plus one message), done on the loop when `on_loop` (a short history whose prefix is
+    cached), else in threads a batch at a time (`offload`).
 
     Messages Harmony's drop rule removes anyway (analysis before a later final) cost nothing and are
     kept; the count stops at the first message that does not fit, so the kept ones are a suffix.
     """
+
+    async def lengths(messages: Sequence[Msg]) -> list[int]:
+        if on_loop:
+            return [len(renderer.render_message(m)) for m in messages]
+        return [len(tokens) for tokens in await map_off_loop(renderer.render_message, messages)]
+
     shown = {id(m) for m in drop_old_analysis([*history, *turn])}
-    # render_for_completion of no history: the prefix (cached per prefix) and the assistant header.
-    used = len(renderer.render_for_completion(prefix, []))
-    used += sum(len(renderer.render_message(m)) for m in turn if id(m) in shown)
+    if on_loop or renderer.has_prefix(prefix):
+        prefix_tokens = renderer.render_prefix(prefix)
+    else:
+        prefix_tokens = await anyio.to_thread.run_sync(renderer.render_prefix, prefix)
+    used = len(prefix_tokens) + len(assistant_header())
+    used += sum(await lengths([m for m in turn if id(m) in shown]))
     room = context_tokens - 1 - used  # a prompt must leave at least one token to generate
     kept = 0
-    for msg in reversed(history):
-        if id(msg) in shown:
-            # Every token is at most MAX_TOKEN_BYTES bytes, so text longer than that many times the
-            # room cannot fit: do not tokenize it to find out.
-            if len(msg.text) > room * MAX_TOKEN_BYTES:
-                break
-            room -= len(renderer.render_message(msg))
-            if room < 0:
-                break
-        kept += 1
+    for batch in batches(history[::-1]):
+        sizes = dict(
+            zip(
+                map(id, measured := _worth_measuring(batch, shown, room)),
+                await lengths(measured),
+                strict=True,
+            )
+        )
+        for msg in batch:
+            if id(msg) in shown:
+                size = sizes.get(id(msg))
+                if size is None or size > room:
+                    return kept
+                room -= size
+            kept += 1
     return kept
+
+
+def _worth_measuring(batch: Sequence[Msg], shown: set[int], room: int) -> list[Msg]:
+    """The shown messages of `batch`, newest first, that could still fit in `room` tokens: every token is
+    at most MAX_TOKEN_BYTES bytes, so text of more than `room * MAX_TOKEN_BYTES` characters (counting
+    those before it) cannot fit, and is not tokenized to find out."""
+    out = []
+    least_tokens = 0
+    for msg in batch:
+        if id(msg) not in shown:
+            continue
+        least_tokens += -(-len(msg.text) // MAX_TOKEN_BYTES)
+        if least_tokens > room:
+            break
+        out.append(msg)
+    return out

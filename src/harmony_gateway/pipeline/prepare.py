@@ -19,7 +19,7 @@ import anyio
 
 from ..engines.base import SamplingOptions
 from ..errors import InvalidRequest
-from ..harmony.encoding import ASSISTANT_STOP_IDS, PromptRenderer
+from ..harmony.encoding import ASSISTANT_STOP_IDS, PromptRenderer, assistant_header
 from ..harmony.messages import (
     FunctionTool,
     Msg,
@@ -43,6 +43,7 @@ from ..types.generate import CompletionRequest
 from ..types.limits import MAX_SCHEMA_CHARS, schema_too_large
 from ..types.tool_names import is_tool_name
 from .context import GatewayState, PreparedRequest
+from .offload import map_off_loop
 from .reasoning_store import recall_analyses, turn_remembering
 
 SELECTION_TEXT_CHARS = 2000
@@ -447,13 +448,21 @@ def renders_on_loop(renderer: PromptRenderer, prefix: PromptPrefix, messages: Se
 
 
 async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: list[Msg]) -> list[int]:
-    """Render on the loop when `renders_on_loop` (~10 µs), in a thread otherwise (openai-harmony renders a
-    fresh system+developer prefix in about a millisecond, and a long history costs its length in
-    encoding), so one request never stalls the others."""
+    """`renderer.render_for_completion(prefix, history)`: on the loop when `renders_on_loop` (~10 µs),
+    else in threads (openai-harmony renders a fresh system+developer prefix in about a millisecond, and
+    a long history costs its length in encoding), the history in batches (`offload`), so one request
+    never stalls the others."""
     renderer = state.renderer
     if renders_on_loop(renderer, prefix, history):
         return renderer.render_for_completion(prefix, history)
-    return await anyio.to_thread.run_sync(renderer.render_for_completion, prefix, history)
+    if renderer.has_prefix(prefix):
+        tokens = list(renderer.render_prefix(prefix))
+    else:
+        tokens = list(await anyio.to_thread.run_sync(renderer.render_prefix, prefix))
+    for rendered in await map_off_loop(renderer.render_message, history):
+        tokens += rendered
+    tokens += assistant_header()
+    return tokens
 
 
 @dataclass(slots=True, eq=False)

@@ -13,14 +13,11 @@ What runs a response (the tool loop, storage, background runs, cancel) is the Re
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import anyio
 
 from ..engines.base import EngineChunk, take_counts
 from ..errors import Conflict, InvalidRequest, NotFound
@@ -549,11 +546,10 @@ async def fit_history(
     if not context_tokens or not history:
         return history
     assert prepared.prefix is not None
-    count = functools.partial(newest_that_fit, state.renderer, prepared.prefix, history, turn, context_tokens)
-    if renders_on_loop(state.renderer, prepared.prefix, [*history, *turn]):
-        kept = count()
-    else:
-        kept = await anyio.to_thread.run_sync(count)
+    on_loop = renders_on_loop(state.renderer, prepared.prefix, [*history, *turn])
+    kept = await newest_that_fit(
+        state.renderer, prepared.prefix, history, turn, context_tokens, on_loop=on_loop
+    )
     if kept == len(history):
         return history
     if not truncate:
