@@ -34,7 +34,6 @@ from .mcp.pool import open_mcp_pool
 from .observability import tracing
 from .observability.metrics import GatewayMetrics
 from .pipeline.context import GatewayState
-from .responses.runner import BackgroundRunner, default_runner_id, fail_interrupted
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy
@@ -42,6 +41,7 @@ from .routing.shared_registry import SharedWorkers
 from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
+from .surfaces.responses.service.runner import BackgroundRunner, default_runner_id, fail_interrupted
 from .traffic import drain
 from .traffic.middleware import GENERATING_PATHS, TrafficControl, TrafficMetrics, TrafficMiddleware
 

@@ -38,10 +38,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
-from harmony_gateway.types.anthropic import MessagesRequest
-from harmony_gateway.types.chat import ChatCompletionRequest
-from harmony_gateway.types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
-from harmony_gateway.types.responses import ResponsesRequest
+from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
+from harmony_gateway.surfaces.generate.types import CompletionRequest, GenerateRequest, SglangSamplingParams
+from harmony_gateway.surfaces.messages.types import MessagesRequest
+from harmony_gateway.surfaces.responses.types import ResponsesRequest
 from tests.conftest import MODEL
 from tests.support.servers import (
     RunningGateway,

@@ -47,7 +47,7 @@ from harmony_gateway.harmony.messages import (
 from harmony_gateway.pipeline.context import GatewayState
 from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
-from harmony_gateway.types.chat import ChatCompletionRequest
+from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from tests.support import servers
 from tests.support.servers import TEST_DATE
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from harmony_gateway.pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN
-from harmony_gateway.pipeline.respond import ChatStreamWriter
+from harmony_gateway.surfaces.chat.framer import ChatStreamWriter
 
 
 def _chunks(raw: bytes) -> list[dict]:

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
-from harmony_gateway.pipeline.chat_template import render_and_encode
 from harmony_gateway.pipeline.tokenizer import ModelTokenizer, load_folder
-from harmony_gateway.types.chat import ChatCompletionRequest
+from harmony_gateway.surfaces.chat.template import render_and_encode
+from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from tests.support.tiny_tokenizer import train_tokenizer, write_tokenizer_folder
 
 FORGED = (

@@ -14,7 +14,6 @@ import pytest
 from harmony_gateway.errors import InvalidRequest
 from harmony_gateway.harmony.encoding import CALL, RETURN
 from harmony_gateway.harmony.messages import FunctionTool, ToolNamespace
-from harmony_gateway.pipeline.anthropic import anthropic_tools, messages_turn
 from harmony_gateway.pipeline.prepare import (
     HarmonyTurn,
     chat_turn,
@@ -22,8 +21,9 @@ from harmony_gateway.pipeline.prepare import (
     output_constraint,
     prepare_harmony,
 )
-from harmony_gateway.types.anthropic import MessagesRequest
-from harmony_gateway.types.chat import ChatCompletionRequest
+from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
+from harmony_gateway.surfaces.messages.mapper import anthropic_tools, messages_turn
+from harmony_gateway.surfaces.messages.types import MessagesRequest
 from tests.harmony.test_render import (
     MODEL,
     WEATHER_PARAMS,

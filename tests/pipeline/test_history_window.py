@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 from harmony_gateway.harmony.encoding import FIRST_SPECIAL_ID, PromptRenderer
 from harmony_gateway.harmony.messages import Msg, PromptPrefix, SystemOptions, drop_old_analysis
 from harmony_gateway.pipeline import offload
-from harmony_gateway.pipeline.history_window import MAX_TOKEN_BYTES, history_byte_budget, newest_that_fit
+from harmony_gateway.surfaces.responses.history_window import (
+    MAX_TOKEN_BYTES,
+    history_byte_budget,
+    newest_that_fit,
+)
 
 _renderer = PromptRenderer()
 _prefix = PromptPrefix(SystemOptions(), "Be brief.")

@@ -14,7 +14,7 @@ import time
 from harmony_gateway.engines.base import ModelInfo
 from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
-from harmony_gateway.types.chat import ChatCompletionRequest
+from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from tests.harmony.test_render import MODEL, gateway_state
 
 MANY = 4000

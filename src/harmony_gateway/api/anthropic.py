@@ -20,10 +20,10 @@ from ..errors import GatewayError, is_failure
 from ..observability import tracing
 from ..observability.logging import log_failure
 from ..observability.metrics import finish_request
-from ..pipeline.anthropic import count_message_tokens, run_messages
 from ..pipeline.context import RequestContext, new_request_id
 from ..pipeline.reasoning_budget import budget_exceeded
-from ..types.anthropic import CountTokensRequest, MessagesRequest
+from ..surfaces.messages.mapper import count_message_tokens, run_messages
+from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
 from .wire_errors import anthropic_error, anthropic_error_frame

@@ -9,8 +9,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..pipeline.generate import run_completions, run_generate
-from ..types.generate import CompletionRequest, GenerateRequest
+from ..surfaces.generate.run import run_completions, run_generate
+from ..surfaces.generate.types import CompletionRequest, GenerateRequest
 from .routes import serve_pipeline
 
 router = APIRouter()

@@ -18,10 +18,10 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import HTMLResponse, Response
 
-from ..types.anthropic import CountTokensRequest, MessagesRequest
-from ..types.chat import ChatCompletionRequest
-from ..types.generate import CompletionRequest, GenerateRequest
-from ..types.responses import (
+from ..surfaces.chat.types import ChatCompletionRequest
+from ..surfaces.generate.types import CompletionRequest, GenerateRequest
+from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
+from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,

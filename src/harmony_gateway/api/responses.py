@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, NotFound
-from ..pipeline.responses_input import new_id, normalize_items
-from ..responses import cancel_response, run_responses
-from ..responses.events import stream_stored_events
 from ..storage.base import StoredConversation
-from ..types.responses import (
+from ..surfaces.responses.events import stream_stored_events
+from ..surfaces.responses.mapper import new_id, normalize_items
+from ..surfaces.responses.service import cancel_response, run_responses
+from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,

@@ -17,10 +17,10 @@ from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealt
 from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
-from ..pipeline.run import run_chat
 from ..principal import ADMIN, Principal, authenticate
+from ..surfaces.chat.run import run_chat
+from ..surfaces.chat.types import ChatCompletionRequest
 from ..traffic.middleware import DECODED_BODY
-from ..types.chat import ChatCompletionRequest
 from ..types.limits import LOOP_BODY_BYTES
 from .coalesce import coalesce
 from .error_responses import param_from_loc

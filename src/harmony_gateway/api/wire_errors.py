@@ -14,7 +14,7 @@ import orjson
 
 from ..errors import GatewayError
 from ..pipeline.sse import DONE, data_frame, event_frame
-from ..responses.events import error_event
+from ..surfaces.responses.events import error_event
 
 
 def openai_error(exc: BaseException) -> dict[str, Any]:

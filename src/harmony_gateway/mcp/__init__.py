@@ -1,6 +1,6 @@
 """MCP for the Responses API: server connections (`client`, `pool`), the `--mcp-config` file (`config`),
 the SSRF guard (`security`), approvals (`approval`) and the per-request tool set of the loop
-(`tool_loop`). The loop's iterations themselves run in `responses/turns.py`."""
+(`tool_loop`). The loop's iterations themselves run in `surfaces/responses/service/turns.py`."""
 
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed, ToolResult
 from .config import McpConfig, McpConfigError, ServerConfig, load_mcp_config, parse_mcp_config

@@ -134,7 +134,7 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        # The Responses tool loop (responses/turns.py, mcp/tool_loop.py).
+        # The Responses tool loop (surfaces/responses/service/turns.py, mcp/tool_loop.py).
         self.mcp_iterations = Histogram(
             "harmony_mcp_iterations",
             "Model generations per Responses request that offered gateway-executed tools",

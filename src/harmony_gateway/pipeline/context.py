@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 
     from ..harmony.encoding import PromptRenderer
     from ..harmony.messages import Msg, PromptPrefix
-    from ..responses.runner import BackgroundRunner
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.workers import Worker
     from ..storage.base import Store
+    from ..surfaces.responses.service.runner import BackgroundRunner
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@
 
 A surface opens its engine stream(s) with `open_generation` (dispatch, then the first chunk, so a
 failure before any output is an HTTP error) or with a `batch.Batch`, or brings a source of several
-generations (a response's turns with the tool calls between them: responses/turns.py, each generation
+generations (a response's turns with the tool calls between them: surfaces/responses/service/turns.py, each generation
 opened here too), and hands the source to `drive`
 (a streamed body) or `collect` (a JSON body) together with its `Framer`: what turns chunks into that
 wire's bytes, when every choice has stopped early (stop strings), the closing frames and the wire's

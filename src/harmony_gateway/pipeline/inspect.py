@@ -47,13 +47,13 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import HarmonyTextParser
 from ..routing.fleet import ModelGroup
 from ..routing.policy import RoutingPolicy, RoutingRequest
-from ..types.anthropic import MessagesRequest
-from ..types.chat import ChatCompletionRequest
-from ..types.responses import ResponsesRequest
-from .anthropic import prepare_messages, resolve_group
+from ..surfaces.chat.types import ChatCompletionRequest
+from ..surfaces.messages.mapper import prepare_messages, resolve_group
+from ..surfaces.messages.types import MessagesRequest
+from ..surfaces.responses.plan import prepare_responses, render_turn
+from ..surfaces.responses.types import ResponsesRequest
 from .context import GatewayState, PreparedRequest, RequestContext
 from .prepare import prepare_chat
-from .responses import prepare_responses, render_turn
 from .select_worker import routing_request
 
 APIS = ("chat", "responses", "messages")

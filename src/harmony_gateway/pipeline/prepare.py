@@ -1,7 +1,7 @@
 """Stage 1, prepare: validate a request and turn it into prompt ids, sampling and a selection text.
 
 Harmony models get a Harmony conversation (system: effort and date; developer: instructions and tools;
-then the history) rendered by `PromptRenderer`; other models are handled by `pipeline/chat_template.py`.
+then the history) rendered by `PromptRenderer`; other models are handled by `surfaces/chat/template.py`.
 Raises `InvalidRequest` naming the offending field.
 """
 
@@ -38,8 +38,8 @@ from ..harmony.messages import (
 )
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
-from ..types.chat import ChatCompletionRequest, ChatMessage
-from ..types.generate import CompletionRequest
+from ..surfaces.chat.types import ChatCompletionRequest, ChatMessage
+from ..surfaces.generate.types import CompletionRequest
 from ..types.limits import MAX_SCHEMA_CHARS, schema_too_large
 from ..types.tool_names import is_tool_name
 from .context import GatewayState, PreparedRequest
@@ -603,7 +603,7 @@ async def prepare_chat(
     """Validate and render a chat request for tenant `owner` (`ctx.owner`), whose analyses of earlier
     tool-call turns are restored; raises InvalidRequest naming the field."""
     if not group.harmony:
-        from .chat_template import prepare_chat_template
+        from ..surfaces.chat.template import prepare_chat_template
 
         return await prepare_chat_template(state, request, group)
     restored = await recall_analyses(state, owner, restorable_turns(request.messages))

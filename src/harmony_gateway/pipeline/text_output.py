@@ -34,11 +34,11 @@ from ..harmony.text_events import (
     ToolCallStart,
 )
 from ..harmony.text_parser import ParserStats
+from ..surfaces.chat.framer import ChatStreamWriter
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
 from .output_parsers import ParserChain, build_parser_chain
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, StopScanner, chat_finish_reason
-from .respond import ChatStreamWriter
 
 
 @dataclass(frozen=True, slots=True)

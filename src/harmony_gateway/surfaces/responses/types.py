@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import (
+from ...types.limits import (
     MAX_INSTRUCTIONS_CHARS,
     MAX_ITEMS_PER_CONVERSATION_CALL,
     MAX_MESSAGES,
@@ -15,7 +15,7 @@ from .limits import (
     Metadata,
     at_most,
 )
-from .tool_names import ResponsesTool
+from ...types.tool_names import ResponsesTool
 
 
 class _Open(BaseModel):

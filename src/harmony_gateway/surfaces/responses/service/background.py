@@ -12,14 +12,14 @@ from typing import Any
 
 import anyio
 
-from ..errors import GatewayError, InvalidRequest, NotFound, is_failure
-from ..observability.logging import log_failure
-from ..pipeline.context import GatewayState, RequestContext, detached_context, run_cleanups
-from ..pipeline.drive import collect
-from ..pipeline.responses import ResponsePlan
-from ..pipeline.responses_output import ResponseBuilder
-from .events import EventFeed, stream_stored_events
-from .respond import ResponsesFramer, finish_response, persist, record_of
+from ....errors import GatewayError, InvalidRequest, NotFound, is_failure
+from ....observability.logging import log_failure
+from ....pipeline.context import GatewayState, RequestContext, detached_context, run_cleanups
+from ....pipeline.drive import collect
+from ..events import EventFeed, stream_stored_events
+from ..framer import ResponsesFramer, finish_response, persist, record_of
+from ..output import ResponseBuilder
+from ..plan import ResponsePlan
 from .runner import ACTIVE_STATUSES, RUNNER_KEY
 from .turns import CLOSE_TIMEOUT, begin, turns
 

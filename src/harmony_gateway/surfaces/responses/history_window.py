@@ -20,10 +20,10 @@ from collections.abc import Sequence
 
 import anyio
 
-from ..errors import InvalidRequest
-from ..harmony.encoding import PromptRenderer, assistant_header
-from ..harmony.messages import Msg, PromptPrefix, drop_old_analysis
-from .offload import batches, map_off_loop
+from ...errors import InvalidRequest
+from ...harmony.encoding import PromptRenderer, assistant_header
+from ...harmony.messages import Msg, PromptPrefix, drop_old_analysis
+from ...pipeline.offload import batches, map_off_loop
 
 #: Bytes of the longest token in o200k_harmony's vocabulary (a run of 128 spaces); checked against the
 #: vocabulary by tests/pipeline/test_history_window.py.

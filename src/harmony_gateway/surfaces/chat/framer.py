@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
+from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 
 if TYPE_CHECKING:
-    from .text_output import TextChoiceOutput
+    from ...pipeline.text_output import TextChoiceOutput
 
 _dumps = orjson.dumps
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ..pipeline.context import GatewayState, RequestContext
-from ..pipeline.drive import collect, drive, open_generation
-from ..pipeline.responses import prepare_responses
-from ..pipeline.responses_output import ResponseBuilder
-from ..types.responses import ResponsesRequest
+from ....pipeline.context import GatewayState, RequestContext
+from ....pipeline.drive import collect, drive, open_generation
+from ..framer import ResponsesFramer, finish_response, persist
+from ..output import ResponseBuilder
+from ..plan import prepare_responses
+from ..types import ResponsesRequest
 from .background import start_background
-from .respond import ResponsesFramer, finish_response, persist
 from .turns import begin, turns
 
 

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from ..pipeline.responses_output import frame
+from .output import frame
 
 log = logging.getLogger(__name__)
 

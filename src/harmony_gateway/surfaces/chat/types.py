@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import (
+from ...types.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
     Schema,
@@ -18,7 +18,7 @@ from .limits import (
     at_most,
     within_history_bound,
 )
-from .tool_names import ToolName
+from ...types.tool_names import ToolName
 
 
 class _Open(BaseModel):

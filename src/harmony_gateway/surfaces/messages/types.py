@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import (
+from ...types.limits import (
     INT32_MAX,
     MAX_TOOLS,
     Schema,
@@ -20,7 +20,7 @@ from .limits import (
     at_most,
     within_history_bound,
 )
-from .tool_names import ToolName
+from ...types.tool_names import ToolName
 
 
 class _Open(BaseModel):

@@ -10,8 +10,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import InvalidRequest
-from ..harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
+from ...errors import InvalidRequest
+from ...harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
 from .client_tools import LOCAL_SHELL, local_shell_arguments
 
 ITEM_PREFIXES = {
@@ -356,7 +356,7 @@ class McpReplay:
             error = item.get("error")
             output = item.get("output")
             if error:
-                from ..mcp.tool_loop import error_text
+                from ...mcp.tool_loop import error_text
 
                 text = f"Error: {error_text(error)}"
             else:
@@ -375,7 +375,7 @@ class McpReplay:
                 return [self.placeholders[request_id]]
             request = self.requests.get(request_id)
             if request is not None and item.get("approve") is False:
-                from ..mcp.approval import declined_text
+                from ...mcp.approval import declined_text
 
                 recipient = f"{request.get('server_label', '')}.{request.get('name', '')}"
                 reason = item.get("reason")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .limits import MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
+from ...types.limits import MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
 
 #: SGLang's default for `max_new_tokens`; OpenAI's (and vLLM's) for completions `max_tokens`.
 SGLANG_MAX_NEW_TOKENS = 128

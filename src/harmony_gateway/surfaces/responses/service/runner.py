@@ -97,7 +97,7 @@ class BackgroundRunner:
     def _hold_admission(self, task: asyncio.Task[None]) -> None:
         # The request's admission slot and token budget go with the response: the slot is held, and
         # the tokens charged, until the background task ends, not when the HTTP request returns.
-        from ..traffic.middleware import current_ticket
+        from ....traffic.middleware import current_ticket
 
         ticket = current_ticket.get()
         if ticket is None:

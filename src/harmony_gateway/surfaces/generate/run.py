@@ -40,20 +40,26 @@ from typing import Any
 import anyio
 import orjson
 
-from ..engines.base import EngineChunk, SamplingOptions, take_counts
-from ..errors import InvalidRequest
-from ..harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE, client_text
-from ..routing.fleet import ModelGroup
-from ..types.generate import CompletionRequest, GenerateRequest, SglangSamplingParams
-from ..types.limits import INT32_MAX
-from .batch import Batch
-from .context import GatewayState, PreparedRequest, RequestContext
-from .detokenize import IncrementalDetokenizer
-from .drive import NothingToSettle, collect, drive, open_generation
-from .prepare import LOOP_ENCODE_CHARS, SELECTION_TEXT_CHARS, request_sampling, sampling_options, token_budget
-from .sse import DONE
-from .text_upstream import is_text_group, require_token_engine
-from .tokenizer import ModelTokenizer, model_tokenizer
+from ...engines.base import EngineChunk, SamplingOptions, take_counts
+from ...errors import InvalidRequest
+from ...harmony.encoding import ASSISTANT_STOP_IDS, FIRST_SPECIAL_ID, VOCAB_SIZE, client_text
+from ...pipeline.batch import Batch
+from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
+from ...pipeline.detokenize import IncrementalDetokenizer
+from ...pipeline.drive import NothingToSettle, collect, drive, open_generation
+from ...pipeline.prepare import (
+    LOOP_ENCODE_CHARS,
+    SELECTION_TEXT_CHARS,
+    request_sampling,
+    sampling_options,
+    token_budget,
+)
+from ...pipeline.sse import DONE
+from ...pipeline.tokenizer import ModelTokenizer, model_tokenizer
+from ...routing.fleet import ModelGroup
+from ...types.limits import INT32_MAX
+from ..chat.upstream import is_text_group, require_token_engine
+from .types import CompletionRequest, GenerateRequest, SglangSamplingParams
 
 _dumps = orjson.dumps
 

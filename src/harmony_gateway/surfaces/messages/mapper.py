@@ -58,10 +58,10 @@ from typing import Any
 
 import orjson
 
-from ..engines.base import EngineChunk
-from ..errors import InvalidRequest, ModelNotFound
-from ..harmony import token_parser as tp
-from ..harmony.messages import (
+from ...engines.base import EngineChunk
+from ...errors import InvalidRequest, ModelNotFound
+from ...harmony import token_parser as tp
+from ...harmony.messages import (
     FunctionTool,
     Msg,
     assistant,
@@ -73,19 +73,19 @@ from ..harmony.messages import (
     tool_result,
     user,
 )
-from ..observability.tracing import traced
-from ..routing.fleet import ModelGroup
-from ..types.anthropic import CountTokensRequest, MessagesRequest
-from ..types.chat import ChatCompletionRequest
-from .context import GatewayState, PreparedRequest, RequestContext
-from .drive import collect, drive, open_generation
-from .hosted_tools import note_dropped_tool
-from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
-from .prepare import HarmonyTurn, apply_tool_choice, prepare_harmony, sampling_options
-from .reasoning_budget import budget_exceeded
-from .reasoning_store import SIGNATURE_PREFIX, reasoning_vault, recall_analyses, turn_remembering
-from .text_output import TextChoiceOutput, text_parser_stats
-from .text_upstream import attach_harmony_upstream, is_text_group
+from ...observability.tracing import traced
+from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
+from ...pipeline.drive import collect, drive, open_generation
+from ...pipeline.hosted_tools import note_dropped_tool
+from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
+from ...pipeline.prepare import HarmonyTurn, apply_tool_choice, prepare_harmony, sampling_options
+from ...pipeline.reasoning_budget import budget_exceeded
+from ...pipeline.reasoning_store import SIGNATURE_PREFIX, reasoning_vault, recall_analyses, turn_remembering
+from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
+from ...routing.fleet import ModelGroup
+from ..chat.types import ChatCompletionRequest
+from ..chat.upstream import attach_harmony_upstream, is_text_group
+from .types import CountTokensRequest, MessagesRequest
 
 log = logging.getLogger(__name__)
 
@@ -533,7 +533,7 @@ async def prepare_messages(
     _, show_thinking, _ = thinking_options(request)
     await _verify_thinking_signatures(state, request, owner)
     if not group.harmony:
-        from .chat_template import prepare_chat_template
+        from ..chat.template import prepare_chat_template
 
         return MessagesPlan(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import InvalidRequest
-from ..routing.fleet import ModelGroup
-from ..types.chat import ChatCompletionRequest
-from .context import GatewayState, PreparedRequest
-from .prepare import stop_strings
-from .text_output import OutputSpec
+from ...errors import InvalidRequest
+from ...pipeline.context import GatewayState, PreparedRequest
+from ...pipeline.prepare import stop_strings
+from ...pipeline.text_output import OutputSpec
+from ...routing.fleet import ModelGroup
+from .types import ChatCompletionRequest
 
 #: Request fields that only the gateway understands, never forwarded.
 _GATEWAY_FIELDS = frozenset(
@@ -60,8 +60,8 @@ def chat_body(request: ChatCompletionRequest) -> dict[str, Any]:
 def prepare_chat_passthrough(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, spec: OutputSpec
 ) -> PreparedRequest:
-    from .chat_template import selection_text
-    from .prepare import sampling_options
+    from ...pipeline.prepare import sampling_options
+    from .template import selection_text
 
     return PreparedRequest(
         group=group,

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engines.base import EngineChunk, take_counts
-from ..errors import Conflict, InvalidRequest, NotFound
-from ..harmony import token_parser as tp
-from ..harmony.encoding import FIRST_SPECIAL_ID
-from ..harmony.messages import (
+from ...engines.base import EngineChunk, take_counts
+from ...errors import Conflict, InvalidRequest, NotFound
+from ...harmony import token_parser as tp
+from ...harmony.encoding import FIRST_SPECIAL_ID
+from ...harmony.messages import (
     FunctionTool,
     Msg,
     ToolNamespace,
@@ -32,31 +32,26 @@ from ..harmony.messages import (
     parse_reasoning_effort,
     tool_result,
 )
-from ..mcp.approval import (
+from ...mcp.approval import (
     APPROVAL_KEY_PURPOSE,
     ApprovalDecision,
     ApprovalIds,
     answers_approvals,
     match_approvals,
 )
-from ..mcp.client import McpTool
-from ..mcp.tool_loop import (
+from ...mcp.client import McpTool
+from ...mcp.tool_loop import (
     GATEWAY_TOOL_TYPES,
     GatewayTools,
     ToolLoop,
     open_tool_loop,
     parse_gateway_tools,
 )
-from ..observability.tracing import traced
-from ..storage.base import item_sizes, size_of
-from ..types.limits import MAX_SCHEMA_CHARS, MAX_TOOL_DESCRIPTION_CHARS, schema_too_large
-from ..types.responses import ResponsesRequest
-from .client_tools import CLIENT_TOOL_KINDS, client_tool
-from .context import GatewayState, PreparedRequest, RequestContext
-from .history_window import history_byte_budget, history_too_long, newest_that_fit, truncates
-from .hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
-from .parse_output import feed_chunk, parse_chunk
-from .prepare import (
+from ...observability.tracing import traced
+from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
+from ...pipeline.hosted_tools import DROPPED_TOOL, backed_builtins, offered_tools
+from ...pipeline.parse_output import feed_chunk, parse_chunk
+from ...pipeline.prepare import (
     HarmonyTurn,
     apply_tool_choice,
     forces_tool_call,
@@ -68,10 +63,15 @@ from .prepare import (
     sampling_options,
     utc_date,
 )
-from .reasoning_store import reasoning_vault, vault_for, wants_encrypted_reasoning
-from .responses_input import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
-from .responses_output import ResponseBuilder
-from .text_upstream import require_token_engine
+from ...pipeline.reasoning_store import reasoning_vault, vault_for, wants_encrypted_reasoning
+from ...storage.base import item_sizes, size_of
+from ...types.limits import MAX_SCHEMA_CHARS, MAX_TOOL_DESCRIPTION_CHARS, schema_too_large
+from ..chat.upstream import require_token_engine
+from .client_tools import CLIENT_TOOL_KINDS, client_tool
+from .history_window import history_byte_budget, history_too_long, newest_that_fit, truncates
+from .mapper import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
+from .output import ResponseBuilder
+from .types import ResponsesRequest
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     known_items: list[dict[str, Any]] = []
     chain_root: str | None = None
     if req.previous_response_id:
-        # Only the newest responses the context could show are read (pipeline/history_window.py).
+        # Only the newest responses the context could show are read (surfaces/responses/history_window.py).
         recent_chain = await store.load_recent_chain(
             req.previous_response_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
         )
@@ -404,7 +404,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
         # This input joins the conversation when the response ends: refuse it now, not after generating.
         state.settings.conversation_limits.check(held, size_of(item_sizes(items)), param="conversation")
-        # Only the newest items the context could show are read (pipeline/history_window.py).
+        # Only the newest items the context could show are read (surfaces/responses/history_window.py).
         recent = await store.recent_conversation_items(
             conversation_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
         )

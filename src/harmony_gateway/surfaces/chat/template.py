@@ -14,7 +14,7 @@ arguments, `chat_template_kwargs`, dict keys included) is disarmed first (`Model
 control tokens' text in it encodes as text and only the template's own markup becomes their ids.
 
 For models behind an HTTP upstream no template is needed: the chat request is forwarded (see
-`pipeline/text_upstream.py`). Raises `InvalidRequest` naming the offending field.
+`surfaces/chat/upstream.py`). Raises `InvalidRequest` naming the offending field.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import jinja2
 import jinja2.sandbox
 from jinja2.ext import loopcontrols
 
-from ..errors import InvalidRequest, UpstreamError
-from ..observability.tracing import traced
-from ..routing.fleet import ModelGroup
-from ..types.chat import ChatCompletionRequest
-from .context import GatewayState, PreparedRequest
-from .prepare import (
+from ...errors import InvalidRequest, UpstreamError
+from ...observability.tracing import traced
+from ...pipeline.context import GatewayState, PreparedRequest
+from ...pipeline.prepare import (
     SELECTION_TEXT_CHARS,
     apply_tool_choice,
     chat_function_tools,
@@ -41,8 +39,10 @@ from .prepare import (
     text_of,
     token_budget,
 )
-from .text_output import OutputSpec
-from .tokenizer import TOKEN_BREAK, ModelTokenizer, model_tokenizer
+from ...pipeline.text_output import OutputSpec
+from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer, model_tokenizer
+from ...routing.fleet import ModelGroup
+from .types import ChatCompletionRequest
 
 #: Above this many characters of messages, rendering and tokenizing move to a worker thread.
 THREAD_CHARS = 8000
@@ -225,7 +225,7 @@ def output_spec(
 async def prepare_chat_template(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
 ) -> PreparedRequest:
-    from .text_upstream import is_text_group, prepare_chat_passthrough
+    from .upstream import is_text_group, prepare_chat_passthrough
 
     if request.max_reasoning_tokens is not None:
         raise InvalidRequest(

@@ -6,17 +6,17 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ..engines.base import EngineChunk
-from ..types.chat import ChatCompletionRequest
-from .context import GatewayState, PreparedRequest, RequestContext
-from .drive import NothingToSettle, collect, drive, open_generation
-from .parse_output import ChoiceOutput
-from .prepare import prepare_chat, prompt_cache_key_of
-from .reasoning_budget import budget_exceeded
-from .respond import ChatStreamWriter, chat_completion_body, chat_usage
-from .sse import DONE
-from .text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
-from .text_upstream import attach_harmony_upstream, is_text_group
+from ...engines.base import EngineChunk
+from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
+from ...pipeline.drive import NothingToSettle, collect, drive, open_generation
+from ...pipeline.parse_output import ChoiceOutput
+from ...pipeline.prepare import prepare_chat, prompt_cache_key_of
+from ...pipeline.reasoning_budget import budget_exceeded
+from ...pipeline.sse import DONE
+from ...pipeline.text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
+from .framer import ChatStreamWriter, chat_completion_body, chat_usage
+from .types import ChatCompletionRequest
+from .upstream import attach_harmony_upstream, is_text_group
 
 #: One choice's output: Harmony token ids (`ChoiceOutput`) or text (`TextChoiceOutput`: non-Harmony
 #: models, HTTP upstreams).

@@ -20,16 +20,16 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from ..engines.base import EngineChunk
-from ..errors import InvalidRequest
-from ..harmony import token_parser as tp
-from ..harmony.messages import Msg, tool_result
-from ..mcp.approval import declined_text
-from ..mcp.tool_loop import APPROVAL, OVER_LIMIT, ToolLoop
-from ..pipeline.context import GatewayState, RequestContext
-from ..pipeline.drive import open_generation
-from ..pipeline.responses import ResponsePlan, remaining_budget, render_turn
-from ..pipeline.responses_output import ResponseBuilder, ToolSlot
+from ....engines.base import EngineChunk
+from ....errors import InvalidRequest
+from ....harmony import token_parser as tp
+from ....harmony.messages import Msg, tool_result
+from ....mcp.approval import declined_text
+from ....mcp.tool_loop import APPROVAL, OVER_LIMIT, ToolLoop
+from ....pipeline.context import GatewayState, RequestContext
+from ....pipeline.drive import open_generation
+from ..output import ResponseBuilder, ToolSlot
+from ..plan import ResponsePlan, remaining_budget, render_turn
 
 #: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
 CLOSE_TIMEOUT = 5.0

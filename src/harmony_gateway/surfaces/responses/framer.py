@@ -14,11 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..engines.base import EngineChunk
-from ..errors import GatewayError, InvalidRequest, NotFound
-from ..pipeline.context import GatewayState, RequestContext
-from ..pipeline.reasoning_budget import budget_exceeded
-from ..pipeline.responses import (
+from ...engines.base import EngineChunk
+from ...errors import GatewayError, InvalidRequest, NotFound
+from ...pipeline.context import GatewayState, RequestContext
+from ...pipeline.reasoning_budget import budget_exceeded
+from ...storage.base import CONVERSATION_TOO_LARGE, StoredResponse
+from .output import ResponseBuilder, ToolSlot, usage_of
+from .plan import (
     DATE_KEY,
     ROOT_KEY,
     ResponsePlan,
@@ -26,9 +28,7 @@ from ..pipeline.responses import (
     redacted_tools,
     token_texts,
 )
-from ..pipeline.responses_output import ResponseBuilder, ToolSlot, usage_of
-from ..storage.base import CONVERSATION_TOO_LARGE, StoredResponse
-from .runner import ACTIVE_STATUSES, RUNNER_KEY
+from .service.runner import ACTIVE_STATUSES, RUNNER_KEY
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from ..harmony import token_parser as tp
+from ...harmony import token_parser as tp
 from .client_tools import LOCAL_SHELL, client_tool_kinds, local_shell_action
-from .responses_input import new_id
+from .mapper import new_id
 
 _dumps = orjson.dumps
 
@@ -639,7 +639,7 @@ class ResponseBuilder:
                 {"type": "response.web_search_call.completed", "item_id": item_id, "output_index": index}
             )
         elif kind == "code_interpreter_call":
-            from ..mcp.tool_loop import error_text
+            from ...mcp.tool_loop import error_text
 
             text = output if output is not None else error_text(error)
             item["outputs"] = [{"type": "logs", "logs": text}] if text else []

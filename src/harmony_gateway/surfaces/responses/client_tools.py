@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidRequest
-from ..harmony.messages import FunctionTool
+from ...errors import InvalidRequest
+from ...harmony.messages import FunctionTool
 
 CLIENT_TOOL_KINDS = frozenset({"custom", "local_shell"})
 LOCAL_SHELL = "local_shell"

@@ -1,0 +1,3 @@
+"""The API surfaces: one folder each (chat, responses, messages, generate, completions), holding that
+surface's request types, its mapper (request -> Harmony turn or engine request), its framers (JSON,
+SSE) and its wire. Each maps onto the shared stages in `pipeline/`; the edge (`api/`) routes to them."""
