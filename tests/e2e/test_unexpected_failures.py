@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 import harmony_gateway.surfaces.chat.run as run_module
-import harmony_gateway.surfaces.messages.mapper as anthropic_module
+import harmony_gateway.surfaces.messages.run as anthropic_module
 import harmony_gateway.surfaces.responses.service.turns as turns_module
 from harmony_gateway.errors import is_failure, is_panic
 from harmony_gateway.harmony.encoding import get_encoding

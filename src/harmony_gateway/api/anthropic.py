@@ -22,7 +22,7 @@ from ..observability.logging import log_failure
 from ..observability.metrics import finish_request
 from ..pipeline.context import RequestContext, new_request_id
 from ..pipeline.reasoning_budget import budget_exceeded
-from ..surfaces.messages.mapper import count_message_tokens, run_messages
+from ..surfaces.messages.run import count_message_tokens, run_messages
 from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
