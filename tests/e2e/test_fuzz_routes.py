@@ -39,7 +39,8 @@ from hypothesis import strategies as st
 
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
-from harmony_gateway.surfaces.generate.types import CompletionRequest, GenerateRequest, SglangSamplingParams
+from harmony_gateway.surfaces.completions.types import CompletionRequest
+from harmony_gateway.surfaces.generate.types import GenerateRequest, SglangSamplingParams
 from harmony_gateway.surfaces.messages.types import MessagesRequest
 from harmony_gateway.surfaces.responses.types import ResponsesRequest
 from tests.conftest import MODEL

@@ -9,8 +9,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..surfaces.generate.run import run_completions, run_generate
-from ..surfaces.generate.types import CompletionRequest, GenerateRequest
+from ..surfaces.completions.run import run_completions
+from ..surfaces.completions.types import CompletionRequest
+from ..surfaces.generate.run import run_generate
+from ..surfaces.generate.types import GenerateRequest
 from .routes import serve_pipeline
 
 router = APIRouter()

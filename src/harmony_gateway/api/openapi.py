@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import HTMLResponse, Response
 
 from ..surfaces.chat.types import ChatCompletionRequest
-from ..surfaces.generate.types import CompletionRequest, GenerateRequest
+from ..surfaces.completions.types import CompletionRequest
+from ..surfaces.generate.types import GenerateRequest
 from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
 from ..surfaces.responses.types import (
     ConversationCreate,

@@ -39,7 +39,7 @@ from ..harmony.messages import (
 from ..observability.tracing import traced
 from ..routing.fleet import ModelGroup
 from ..surfaces.chat.types import ChatCompletionRequest, ChatMessage
-from ..surfaces.generate.types import CompletionRequest
+from ..surfaces.completions.types import CompletionRequest
 from ..types.limits import MAX_SCHEMA_CHARS, schema_too_large
 from ..types.tool_names import is_tool_name
 from .context import GatewayState, PreparedRequest

@@ -1,1 +1,1 @@
-"""Raw-prompt surfaces: SGLang's native `POST /generate` and OpenAI's legacy `POST /v1/completions`."""
+"""SGLang's native `POST /generate`: raw prompts and token ids over the raw-prompt stage."""

@@ -1,0 +1,1 @@
+"""OpenAI's legacy `POST /v1/completions`: text completions over the raw-prompt stage."""
