@@ -976,7 +976,7 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
             message = (body.get("error") or {}).get("message") or response.text
             raise RenderFailed(f"{response.status_code}: {message}")
         return body
-    from .pipeline.inspect import render_offline
+    from .api.inspect import render_offline
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
     try:

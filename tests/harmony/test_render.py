@@ -45,8 +45,8 @@ from harmony_gateway.harmony.messages import (
     drop_old_analysis,
 )
 from harmony_gateway.pipeline.context import GatewayState
-from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
+from harmony_gateway.surfaces.chat.mapper import prepare_chat
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from tests.support import servers
 from tests.support.servers import TEST_DATE

@@ -14,13 +14,8 @@ import pytest
 from harmony_gateway.errors import InvalidRequest
 from harmony_gateway.harmony.encoding import CALL, RETURN
 from harmony_gateway.harmony.messages import FunctionTool, ToolNamespace
-from harmony_gateway.pipeline.prepare import (
-    HarmonyTurn,
-    chat_turn,
-    harmony_request,
-    output_constraint,
-    prepare_harmony,
-)
+from harmony_gateway.pipeline.prepare import HarmonyTurn, harmony_request, output_constraint, prepare_harmony
+from harmony_gateway.surfaces.chat.mapper import chat_turn
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from harmony_gateway.surfaces.messages.mapper import anthropic_tools, messages_turn
 from harmony_gateway.surfaces.messages.types import MessagesRequest

@@ -12,8 +12,8 @@ import gc
 import time
 
 from harmony_gateway.engines.base import ModelInfo
-from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
+from harmony_gateway.surfaces.chat.mapper import prepare_chat
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
 from tests.harmony.test_render import MODEL, gateway_state
 

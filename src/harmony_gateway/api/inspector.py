@@ -20,8 +20,8 @@ from starlette.responses import Response
 from ..errors import NotFound
 from ..observability.metrics import finish_request
 from ..pipeline.context import GatewayState
-from ..pipeline.inspect import parse_output, render_request
 from .admin import is_admin
+from .inspect import parse_output, render_request
 from .routes import gateway, json_body, json_response, new_context, run_logged
 
 router = APIRouter()

@@ -34,7 +34,6 @@ from ..harmony.text_events import (
     ToolCallStart,
 )
 from ..harmony.text_parser import ParserStats
-from ..surfaces.chat.framer import ChatStreamWriter
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
 from .output_parsers import ParserChain, build_parser_chain
@@ -343,62 +342,15 @@ class TextChoiceOutput:
         return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)
 
 
-class LogprobChatStreamWriter(ChatStreamWriter):
-    """A `ChatStreamWriter` that puts each choice's pending logprobs on the next chunk it writes for
-    that choice (`{"logprobs": {"content": [...]}}`), finish chunk included."""
-
-    def __init__(self, choices: list[Any], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._choices = choices
-        self._current = -1
-
-    def _logprobs_bytes(self, index: int) -> bytes:
-        take = getattr(self._choices[index], "take_logprobs", None)
-        entries = take() if take is not None else []
-        return b'{"content":' + orjson.dumps(entries) + b"}" if entries else b"null"
-
-    def _choice(self, index: int, delta: bytes) -> bytes:
-        return (
-            self._head
-            + b'{"index":%d,"delta":{' % index
-            + delta
-            + b'},"logprobs":'
-            + self._logprobs_bytes(index)
-            + b',"finish_reason":null}'
-            + self._tail
-        )
-
-    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
-        return (
-            self._head
-            + b'{"index":%d,"delta":{},"logprobs":' % index
-            + self._logprobs_bytes(index)
-            + b',"finish_reason":'
-            + orjson.dumps(finish_reason)
-            + b"}"
-            + self._tail
-        )
-
-
-def add_logprobs(body: dict[str, Any], choices: list[Any]) -> None:
-    """Fill `choices[i].logprobs` of a non-stream chat body from text choices that collected them."""
-    for out, choice in zip(body["choices"], choices, strict=True):
-        entries = getattr(choice, "logprobs", None)
-        if isinstance(entries, list):
-            out["logprobs"] = {"content": entries}
-
-
 def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
     """The parser counters of text choices, for the end-of-request metrics."""
     return [c.stats for c in choices if getattr(c, "stats", None) is not None]
 
 
 __all__ = [
-    "LogprobChatStreamWriter",
     "OutputSpec",
     "TextChoiceOutput",
     "TextToolCall",
-    "add_logprobs",
     "new_call_id",
     "text_parser_stats",
 ]

@@ -10,14 +10,12 @@ argument piece may ride along, and no chunk holds two entries with the same inde
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
-
-if TYPE_CHECKING:
-    from ...pipeline.text_output import TextChoiceOutput
+from ...pipeline.text_output import TextChoiceOutput
 
 _dumps = orjson.dumps
 
@@ -181,3 +179,48 @@ def chat_completion_body(
         "choices": out_choices,
         "usage": usage,
     }
+
+
+class LogprobChatStreamWriter(ChatStreamWriter):
+    """A `ChatStreamWriter` that puts each choice's pending logprobs on the next chunk it writes for
+    that choice (`{"logprobs": {"content": [...]}}`), finish chunk included."""
+
+    def __init__(self, choices: list[Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._choices = choices
+        self._current = -1
+
+    def _logprobs_bytes(self, index: int) -> bytes:
+        take = getattr(self._choices[index], "take_logprobs", None)
+        entries = take() if take is not None else []
+        return b'{"content":' + orjson.dumps(entries) + b"}" if entries else b"null"
+
+    def _choice(self, index: int, delta: bytes) -> bytes:
+        return (
+            self._head
+            + b'{"index":%d,"delta":{' % index
+            + delta
+            + b'},"logprobs":'
+            + self._logprobs_bytes(index)
+            + b',"finish_reason":null}'
+            + self._tail
+        )
+
+    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+        return (
+            self._head
+            + b'{"index":%d,"delta":{},"logprobs":' % index
+            + self._logprobs_bytes(index)
+            + b',"finish_reason":'
+            + orjson.dumps(finish_reason)
+            + b"}"
+            + self._tail
+        )
+
+
+def add_logprobs(body: dict[str, Any], choices: list[Any]) -> None:
+    """Fill `choices[i].logprobs` of a non-stream chat body from text choices that collected them."""
+    for out, choice in zip(body["choices"], choices, strict=True):
+        entries = getattr(choice, "logprobs", None)
+        if isinstance(entries, list):
+            out["logprobs"] = {"content": entries}

@@ -10,11 +10,12 @@ from ...engines.base import EngineChunk
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ...pipeline.drive import NothingToSettle, collect, drive, open_generation
 from ...pipeline.parse_output import ChoiceOutput
-from ...pipeline.prepare import prepare_chat, prompt_cache_key_of
+from ...pipeline.prepare import prompt_cache_key_of
 from ...pipeline.reasoning_budget import budget_exceeded
 from ...pipeline.sse import DONE
-from ...pipeline.text_output import LogprobChatStreamWriter, TextChoiceOutput, add_logprobs, text_parser_stats
-from .framer import ChatStreamWriter, chat_completion_body, chat_usage
+from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
+from .framer import ChatStreamWriter, LogprobChatStreamWriter, add_logprobs, chat_completion_body, chat_usage
+from .mapper import prepare_chat
 from .types import ChatCompletionRequest
 from .upstream import attach_harmony_upstream, is_text_group
 

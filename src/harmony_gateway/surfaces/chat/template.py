@@ -33,15 +33,14 @@ from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.prepare import (
     SELECTION_TEXT_CHARS,
     apply_tool_choice,
-    chat_function_tools,
     request_sampling,
     stop_strings,
-    text_of,
     token_budget,
 )
 from ...pipeline.text_output import OutputSpec
 from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer, model_tokenizer
 from ...routing.fleet import ModelGroup
+from .mapper import chat_function_tools, text_of
 from .types import ChatCompletionRequest
 
 #: Above this many characters of messages, rendering and tokenizing move to a worker thread.

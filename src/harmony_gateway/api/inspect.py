@@ -45,16 +45,16 @@ from ..harmony.text_events import (
     ToolCallStart,
 )
 from ..harmony.text_parser import HarmonyTextParser
+from ..pipeline.context import GatewayState, PreparedRequest, RequestContext
+from ..pipeline.select_worker import routing_request
 from ..routing.fleet import ModelGroup
 from ..routing.policy import RoutingPolicy, RoutingRequest
+from ..surfaces.chat.mapper import prepare_chat
 from ..surfaces.chat.types import ChatCompletionRequest
 from ..surfaces.messages.mapper import prepare_messages, resolve_group
 from ..surfaces.messages.types import MessagesRequest
 from ..surfaces.responses.plan import prepare_responses, render_turn
 from ..surfaces.responses.types import ResponsesRequest
-from .context import GatewayState, PreparedRequest, RequestContext
-from .prepare import prepare_chat
-from .select_worker import routing_request
 
 APIS = ("chat", "responses", "messages")
 #: Longer prompts are described (decoded, cut into tokens and messages) in a worker thread.

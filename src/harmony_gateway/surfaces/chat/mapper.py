@@ -1,0 +1,183 @@
+"""Chat Completions mapped to a Harmony turn: messages (content parts, tool calls, tool results, restored
+analysis) become the history, `tools` and `tool_choice` the developer message's function tools."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import InvalidRequest
+from ...harmony.messages import (
+    FunctionTool,
+    Msg,
+    assistant,
+    assistant_call,
+    dedupe_function_tools,
+    developer_text,
+    drop_old_analysis,
+    parse_reasoning_effort,
+    tool_result,
+    user,
+)
+from ...observability.tracing import traced
+from ...pipeline.context import GatewayState, PreparedRequest
+from ...pipeline.prepare import (
+    HarmonyTurn,
+    apply_tool_choice,
+    forces_tool_call,
+    prepare_harmony,
+    request_sampling,
+    response_format_of,
+    stop_strings,
+)
+from ...pipeline.reasoning_store import recall_analyses, turn_remembering
+from ...routing.fleet import ModelGroup
+from .types import ChatCompletionRequest, ChatMessage
+
+
+def text_of(content: str | list[dict[str, Any]] | None, *, param: str, allow_refusal: bool = False) -> str:
+    """Concatenate text parts; non-text parts are 400 (gpt-oss is text-only)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text") or (allow_refusal and kind == "refusal"):
+            value = part.get("text", part.get("refusal", ""))
+            if not isinstance(value, str):
+                raise InvalidRequest("text parts must carry a string 'text'", param=f"{param}[{j}].text")
+            pieces.append(value)
+        else:
+            raise InvalidRequest(
+                f"content part type {kind!r} is not supported: this model accepts text only",
+                param=f"{param}[{j}]",
+            )
+    return "".join(pieces)
+
+
+def chat_function_tools(request: ChatCompletionRequest) -> list[FunctionTool]:
+    tools: list[FunctionTool] = []
+    for i, tool in enumerate(request.tools or []):
+        if tool.type != "function" or tool.function is None:
+            raise InvalidRequest(
+                f"tool type {tool.type!r} is not supported in chat completions; use 'function'",
+                param=f"tools[{i}].type",
+            )
+        fn = tool.function
+        tools.append(FunctionTool(fn.name, fn.description or "", fn.parameters, f"tools[{i}]"))
+    return dedupe_function_tools(tools)
+
+
+def chat_history(
+    messages: Sequence[ChatMessage], restored: dict[int, str] | None = None
+) -> tuple[str | None, list[Msg]]:
+    """Chat messages → (instructions, Harmony history). REFERENCE §2.3: leading system/developer
+    messages become the developer message's instructions; later ones a developer message in place.
+    `restored` maps an assistant message's index to the analysis to render when it has none of its own
+    (`restorable_turns`)."""
+    call_names: dict[str, str] = {}
+    for message in messages:
+        for call in message.tool_calls or ():
+            call_names[call.id] = call.function.name
+
+    instructions: list[str] = []
+    history: list[Msg] = []
+    leading = True
+    for i, message in enumerate(messages):
+        role = message.role
+        param = f"messages[{i}].content"
+        if role in ("system", "developer"):
+            text = text_of(message.content, param=param)
+            if leading:
+                if text:
+                    instructions.append(text)
+            elif text:
+                history.append(developer_text(text))
+            continue
+        leading = False
+        if role == "user":
+            history.append(user(text_of(message.content, param=param)))
+        elif role == "assistant":
+            reasoning = message.reasoning_content or message.reasoning or (restored or {}).get(i)
+            if reasoning:
+                history.append(assistant(reasoning, "analysis"))
+            text = text_of(message.content, param=param, allow_refusal=True)
+            if message.tool_calls:
+                if text:
+                    history.append(assistant(text, "commentary"))
+                history.extend(
+                    assistant_call("functions." + call.function.name, call.function.arguments or "")
+                    for call in message.tool_calls
+                )
+            elif text:
+                history.append(assistant(text, "final"))
+        else:  # tool, or the legacy function role
+            name = call_names.get(message.tool_call_id or "") or message.name
+            if not name:
+                raise InvalidRequest(
+                    "tool message refers to an unknown tool_call_id and has no name",
+                    param=f"messages[{i}].tool_call_id",
+                )
+            history.append(tool_result("functions." + name, text_of(message.content, param=param)))
+    return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+
+
+def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
+    """Assistant messages whose analysis the model still needs but the client did not send: tool-call turns
+    after the last final answer (older analysis is dropped anyway), by index, with their call ids."""
+    turns: dict[int, list[str]] = {}
+    for i, message in enumerate(messages):
+        if message.role != "assistant":
+            continue
+        if not message.tool_calls:
+            if text_of(message.content, param=f"messages[{i}].content", allow_refusal=True):
+                turns.clear()  # a final answer: the analysis before it is dropped
+            continue
+        if not (message.reasoning_content or message.reasoning):
+            turns[i] = [call.id for call in message.tool_calls]
+    return turns
+
+
+def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[int, str]) -> HarmonyTurn:
+    """Chat Completions → one Harmony turn (`restored`: analyses recalled for earlier tool-call turns)."""
+    if request.logprobs or request.top_logprobs:
+        raise InvalidRequest("logprobs are not supported for Harmony models", param="logprobs")
+    if request.ignore_eos:
+        raise InvalidRequest(
+            "ignore_eos is not supported for Harmony models: stop tokens are the protocol", param="ignore_eos"
+        )
+    tools = apply_tool_choice(chat_function_tools(request), request.tool_choice)
+    instructions, history = chat_history(request.messages, restored)
+    return HarmonyTurn(
+        effort=parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort"),
+        instructions=instructions,
+        history=history,
+        sampling=request_sampling(group, request),
+        tools=tuple(tools),
+        response_format=response_format_of(request.response_format, param="response_format", nested=True),
+        forces_call=forces_tool_call(request.tool_choice),
+        max_tokens=request.max_completion_tokens or request.max_tokens,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        stop_strings=stop_strings(request.stop),
+        n=request.n,
+        stream=request.stream,
+        max_reasoning_tokens=request.max_reasoning_tokens,
+    )
+
+
+@traced("gateway.prepare")
+async def prepare_chat(
+    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, *, owner: str
+) -> PreparedRequest:
+    """Validate and render a chat request for tenant `owner` (`ctx.owner`), whose analyses of earlier
+    tool-call turns are restored; raises InvalidRequest naming the field."""
+    if not group.harmony:
+        from .template import prepare_chat_template
+
+        return await prepare_chat_template(state, request, group)
+    restored = await recall_analyses(state, owner, restorable_turns(request.messages))
+    prepared = await prepare_harmony(state, group, chat_turn(request, group, restored))
+    prepared.after_turn = turn_remembering(state, owner)
+    return prepared
