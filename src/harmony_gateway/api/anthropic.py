@@ -21,8 +21,9 @@ from ..observability import tracing
 from ..observability.logging import log_failure
 from ..observability.metrics import finish_request
 from ..pipeline.context import RequestContext, new_request_id
+from ..pipeline.drive import answer
 from ..pipeline.reasoning_budget import budget_exceeded
-from ..surfaces.messages.run import count_message_tokens, run_messages
+from ..surfaces.messages.run import count_message_tokens, plan_messages
 from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
@@ -72,7 +73,7 @@ async def create_message(request: Request) -> Response:
             ctx.log_extra["messages"] = body.get("messages")
             tracing.annotate_prompt("messages", body.get("messages"))
         message_request = MessagesRequest.model_validate(body)
-        result = await run_messages(state, message_request, ctx)
+        result = await answer(ctx, await plan_messages(state, message_request, ctx))
     except BaseException as exc:  # a dependency's panic too: Anthropic's error body, not the OpenAI one
         return _error_response(request, ctx, exc)
     if isinstance(result, dict):

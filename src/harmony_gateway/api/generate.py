@@ -9,9 +9,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ..surfaces.completions.run import run_completions
+from ..surfaces.completions.run import plan_completions
 from ..surfaces.completions.types import CompletionRequest
-from ..surfaces.generate.run import run_generate
+from ..surfaces.generate.run import plan_generate
 from ..surfaces.generate.types import GenerateRequest
 from .routes import serve_pipeline
 
@@ -20,9 +20,9 @@ router = APIRouter()
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    return await serve_pipeline(request, "generate", GenerateRequest, run_generate, ("text", "input_ids"))
+    return await serve_pipeline(request, "generate", GenerateRequest, plan_generate, ("text", "input_ids"))
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await serve_pipeline(request, "completions", CompletionRequest, run_completions, ("prompt",))
+    return await serve_pipeline(request, "completions", CompletionRequest, plan_completions, ("prompt",))

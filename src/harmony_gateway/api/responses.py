@@ -12,7 +12,7 @@ from ..errors import InvalidRequest, NotFound
 from ..storage.base import StoredConversation
 from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
-from ..surfaces.responses.service import cancel_response, run_responses
+from ..surfaces.responses.service import cancel_response, plan_responses
 from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
@@ -54,7 +54,7 @@ def _list_body(page: Any) -> dict[str, Any]:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     return await serve_pipeline(
-        request, "responses", ResponsesRequest, run_responses, ("instructions", "input")
+        request, "responses", ResponsesRequest, plan_responses, ("instructions", "input")
     )
 
 

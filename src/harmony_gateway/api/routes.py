@@ -17,8 +17,9 @@ from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealt
 from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
+from ..pipeline.drive import Planned, answer
 from ..principal import ADMIN, Principal, authenticate
-from ..surfaces.chat.run import run_chat
+from ..surfaces.chat.run import plan_chat
 from ..surfaces.chat.types import ChatCompletionRequest
 from ..traffic.middleware import DECODED_BODY
 from ..types.limits import LOOP_BODY_BYTES
@@ -207,11 +208,15 @@ async def run_logged(ctx: RequestContext, coro: Any) -> Any:
         raise
 
 
+async def _planned_answer(ctx: RequestContext, planned: Awaitable[Planned]) -> Any:
+    return await answer(ctx, await planned)
+
+
 async def serve_pipeline(
     request: Request,
     route: str,
     schema: type[BaseModel],
-    run: Callable[[GatewayState, Any, RequestContext], Awaitable[Any]],
+    plan: Callable[[GatewayState, Any, RequestContext], Awaitable[Planned]],
     prompt_fields: tuple[str, ...] = (),
 ) -> Response:
     """The shape every generating route shares: context, body, validation, the pipeline, then a JSON body
@@ -225,7 +230,7 @@ async def serve_pipeline(
                 ctx.log_extra[field] = body[field]
                 tracing.annotate_prompt(field, body[field])
     validated = await validate_body(schema, body, request)
-    result = await run_logged(ctx, run(state, validated, ctx))
+    result = await run_logged(ctx, _planned_answer(ctx, plan(state, validated, ctx)))
     if isinstance(result, (dict, list)):
         finish_request(ctx)
         return json_response(result, ctx)
@@ -234,7 +239,7 @@ async def serve_pipeline(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await serve_pipeline(request, "chat", ChatCompletionRequest, run_chat, ("messages",))
+    return await serve_pipeline(request, "chat", ChatCompletionRequest, plan_chat, ("messages",))
 
 
 @router.get("/v1/models")

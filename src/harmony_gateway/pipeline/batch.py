@@ -116,6 +116,11 @@ class Batch:
             self.ctx.retries += child.retries
         await self._queue.put((i, _END))
 
+    async def source(self) -> AsyncIterator[tuple[int, EngineChunk]]:
+        """`open`, then `chunks`: a `drive.Generation`'s source."""
+        await self.open()
+        return self.chunks()
+
     async def chunks(self) -> AsyncIterator[tuple[int, EngineChunk]]:
         """Every sub-request's chunks as they arrive, tagged with its index; the first failure is raised.
         Closing the iterator closes the batch."""

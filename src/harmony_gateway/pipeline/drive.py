@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ..engines.base import EngineChunk
 from ..errors import GatewayError, NoHealthyWorker, is_failure
@@ -160,9 +161,9 @@ async def drive(
             yield out
 
 
-async def collect(ctx: RequestContext, source: AsyncIterator[T], framer: Framer[T]) -> None:
+async def collect(source: AsyncIterator[T], framer: Framer[T]) -> None:
     """A JSON body: feed every item (stopping early when the framer says so) and close the source;
-    failures propagate as HTTP errors. The caller builds the body from the framer."""
+    failures propagate as HTTP errors. The body is built from the framer afterwards."""
     async with contextlib.aclosing(source):  # type: ignore[type-var]
         async for item in source:
             framer.feed(item)
@@ -170,7 +171,63 @@ async def collect(ctx: RequestContext, source: AsyncIterator[T], framer: Framer[
                 await framer.settle()
             if framer.stopped():
                 break
-    ctx.completion_tokens = framer.completion_tokens()
 
 
-__all__ = ["Framer", "NothingToSettle", "collect", "drive", "open_generation"]
+def _no_head() -> bytes:
+    return b""
+
+
+@dataclass(slots=True, eq=False)
+class Generation(Generic[T]):
+    """A surface's request, planned: how to open its source and how to frame what comes out of it.
+
+    `open` dispatches (failures before any output raise here, as HTTP errors); `framer` turns items into
+    the wire's bytes. A JSON request has a `body`, built once every item was fed; a streamed one has
+    none, and sends `head()` (read after `open`) before the first item's frames. `close` releases what
+    the plan holds beyond the engine streams (a response's MCP connections): on a failure to open, and
+    when a stream's request ends."""
+
+    open: Callable[[], Awaitable[AsyncIterator[T]]]
+    framer: Framer[T]
+    body: Callable[[], Awaitable[Any]] | None = None
+    head: Callable[[], bytes] = _no_head
+    close: Callable[[], Awaitable[None]] | None = None
+
+
+#: What a surface's plan answers: a generation to run, or an answer ready at once (a background
+#: response: its queued body, or the stream of its stored events).
+Planned = Generation[Any] | dict[str, Any] | list[Any] | AsyncGenerator[bytes, None]
+
+
+async def answer(ctx: RequestContext, planned: Planned) -> Any:
+    """The one run of every surface: open the generation, then stream it (`drive`) or collect it into
+    its JSON body; records the request's completion tokens once. Returns the body (a dict or list) or
+    the SSE byte stream."""
+    if not isinstance(planned, Generation):
+        return planned
+    try:
+        source = await planned.open()
+    except BaseException:
+        if planned.close is not None:
+            await planned.close()
+        raise
+    if planned.body is None:
+        if planned.close is not None:
+            ctx.cleanups.append(planned.close)  # also when the stream never starts (client gone early)
+        return drive(ctx, source, planned.framer, planned.head())
+    await collect(source, planned.framer)
+    body = await planned.body()
+    ctx.completion_tokens = planned.framer.completion_tokens()
+    return body
+
+
+__all__ = [
+    "Framer",
+    "Generation",
+    "NothingToSettle",
+    "Planned",
+    "answer",
+    "collect",
+    "drive",
+    "open_generation",
+]

@@ -318,10 +318,11 @@ def check_batch_size(state: GatewayState, prompts: int, n: int, *, param: str) -
         )
 
 
-async def open_batch(
+def new_batch(
     state: GatewayState, ctx: RequestContext, prepared: list[PreparedRequest], *, stream: bool
 ) -> Batch:
-    """Dispatch the prompts (a bounded number at once) and wait for the first wave's first chunks."""
+    """The prompts' engine requests, dispatched (a bounded number at once) by `Batch.source`, which
+    waits for the first wave's first chunks."""
 
     async def opener(
         state: GatewayState, item: PreparedRequest, child: RequestContext
@@ -329,14 +330,12 @@ async def open_batch(
         return await open_generation(state, item, child, stream=stream)
 
     batch = Batch(state, ctx, prepared, opener, concurrency=state.settings.batch_concurrency)
-    await batch.open()
     ctx.cleanups.append(batch.aclose)  # also when the stream never starts (client gone early)
     return batch
 
 
-def finish_context(ctx: RequestContext, batch: Batch, samples: list[list[RawSample]]) -> None:
+def finish_context(ctx: RequestContext, batch: Batch) -> None:
     ctx.prompt_tokens = sum(len(p.input_ids) for p in batch.prepared)
-    ctx.completion_tokens = sum(s.tokens for group in samples for s in group)
     if ctx.worker is None:
         ctx.worker = batch.children[0].worker
 

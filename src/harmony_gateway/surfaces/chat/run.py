@@ -1,14 +1,15 @@
-"""The one place that strings the stages together, so the sequence is never repeated per endpoint."""
+"""Chat Completions planned for the driver (`pipeline/drive.answer`): the prepared request, its choices
+and the framer of the chosen body, `chat.completion` JSON or `chat.completion.chunk` events."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from ...engines.base import EngineChunk
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
-from ...pipeline.drive import NothingToSettle, collect, drive, open_generation
+from ...pipeline.drive import Generation, NothingToSettle, Planned, open_generation
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.prepare import prompt_cache_key_of
 from ...pipeline.reasoning_budget import budget_exceeded
@@ -37,10 +38,9 @@ def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: 
     return choices
 
 
-async def run_chat(
-    state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncGenerator[bytes, None]:
-    # 1) prepare: validate, build the Harmony conversation, render prompt ids
+async def plan_chat(state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext) -> Planned:
+    """A chat request prepared (the mapper's Harmony turn, or the chat-template path) with its framer:
+    chunks as they form when streaming, else one `chat.completion` body."""
     group = state.fleet.group(request.model)
     ctx.model = group.name
     if ctx.routing_key is None:
@@ -59,25 +59,28 @@ async def run_chat(
         ctx.parsers = [choice.parser for choice in choices]  # read once, at the end, for metrics
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
-    # 2) select, 3) build, 4) dispatch: the first chunk arrives before any response byte is sent
-    source = await open_generation(state, prepared, ctx, stream=engine_stream)
+
+    def open_stream() -> Awaitable[AsyncIterator[EngineChunk]]:
+        return open_generation(state, prepared, ctx, stream=engine_stream)
+
     if not request.stream:
-        # 5) parse and 6) respond, in one body
         collector = ChatCollector(prepared, choices)
-        await collect(ctx, source, collector)
-        for choice in choices:
-            choice.close()
-            if prepared.after_turn is not None:
-                await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-        usage = chat_usage(choices, len(prepared.input_ids))
-        _note_budget(usage, prepared, ctx)
-        ctx.completion_tokens = usage["completion_tokens"]
-        body = chat_completion_body(
-            completion_id, created, group.name, choices, usage, state.settings.reasoning_fields
-        )
-        if prepared.return_logprob:
-            add_logprobs(body, choices)
-        return body
+
+        async def body() -> dict[str, Any]:
+            for choice in choices:
+                choice.close()
+                if prepared.after_turn is not None:
+                    await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
+            usage = chat_usage(choices, len(prepared.input_ids))
+            _note_budget(usage, prepared, ctx)
+            out = chat_completion_body(
+                completion_id, created, group.name, choices, usage, state.settings.reasoning_fields
+            )
+            if prepared.return_logprob:
+                add_logprobs(out, choices)
+            return out
+
+        return Generation(open_stream, collector, body=body)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     mode = state.settings.reasoning_fields
     writer = (
@@ -89,10 +92,12 @@ async def run_chat(
             completion_id, created, group.name, include_usage=include_usage, reasoning_mode=mode
         )
     )
-    # 5) parse and 6) respond, per engine chunk; errors after the headers become a final error event
     framer = ChatFramer(prepared, ctx, writer, choices, include_usage)
-    head = b"".join(writer.role_chunk(i) for i in range(len(choices)))
-    return drive(ctx, source, framer, head)
+
+    def head() -> bytes:
+        return b"".join(writer.role_chunk(i) for i in range(len(choices)))
+
+    return Generation(open_stream, framer, head=head)
 
 
 class ChatCollector(NothingToSettle):

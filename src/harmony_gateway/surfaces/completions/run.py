@@ -8,7 +8,7 @@ prompt tokens have null logprobs (prompt logprobs are not computed).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -17,7 +17,7 @@ from ...engines.base import EngineChunk
 from ...errors import InvalidRequest
 from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
-from ...pipeline.drive import NothingToSettle, collect, drive
+from ...pipeline.drive import Generation, NothingToSettle, Planned
 from ...pipeline.prepare import (
     request_sampling,
 )
@@ -29,7 +29,7 @@ from ...pipeline.raw_prompt import (
     decoder_factory,
     encode_prompt_off_loop,
     finish_context,
-    open_batch,
+    new_batch,
     raw_prepared,
     raw_tokenizer,
     stop_list,
@@ -111,9 +111,7 @@ def _completion_finish(sample: RawSample) -> str:
     return "length" if sample.finish_reason == "length" else "stop"
 
 
-async def run_completions(
-    state: GatewayState, request: CompletionRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncGenerator[bytes, None]:
+async def plan_completions(state: GatewayState, request: CompletionRequest, ctx: RequestContext) -> Planned:
     group = state.fleet.group(request.model)
     ctx.model = group.name
     if request.suffix:
@@ -164,7 +162,7 @@ async def run_completions(
     echo = request.echo and not passthrough
     echoes = [decode_all(new_decoder(), ids) if echo else "" for ids in prompt_ids]
     builders = [[_LogprobBuilder(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await open_batch(state, ctx, prepared, stream=request.stream)
+    opened = new_batch(state, ctx, prepared, stream=request.stream)
     completion_id = "cmpl-" + ctx.request_id
     created = int(time.time())
     head = {"id": completion_id, "object": "text_completion", "created": created, "model": group.name}
@@ -172,9 +170,9 @@ async def run_completions(
     framer = CompletionsFramer(
         ctx, opened, samples, builders, echoes, prompt_ids, head, logprobs is not None, include_usage
     )
-    if not request.stream:
-        await collect(ctx, opened.chunks(), framer)
-        finish_context(ctx, opened, samples)
+
+    async def body() -> dict[str, Any]:
+        finish_context(ctx, opened)
         choices = []
         for i in range(len(prompts)):
             for j in range(n):
@@ -202,8 +200,9 @@ async def run_completions(
             "choices": choices,
             "usage": _completion_usage(opened, samples),
         }
-    framer.streaming = True
-    return drive(ctx, opened.chunks(), framer)
+
+    framer.streaming = request.stream
+    return Generation(opened.source, framer, body=None if request.stream else body)
 
 
 def _completion_usage(opened: Batch, samples: list[list[RawSample]]) -> dict[str, Any]:
@@ -300,7 +299,7 @@ class CompletionsFramer(NothingToSettle):
         return False  # stop strings are the engine's on these routes
 
     def tail(self) -> bytes:
-        finish_context(self._ctx, self._batch, self._samples)
+        finish_context(self._ctx, self._batch)
         out = b""
         if self._include_usage:
             usage = _completion_usage(self._batch, self._samples)

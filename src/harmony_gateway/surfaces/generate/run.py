@@ -9,7 +9,6 @@ The body: `{text, output_ids, meta_info: {id, prompt_tokens, completion_tokens, 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -18,7 +17,7 @@ from ...engines.base import EngineChunk, SamplingOptions
 from ...errors import InvalidRequest
 from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, RequestContext
-from ...pipeline.drive import NothingToSettle, collect, drive
+from ...pipeline.drive import Generation, NothingToSettle, Planned
 from ...pipeline.prepare import (
     sampling_options,
 )
@@ -28,8 +27,8 @@ from ...pipeline.raw_prompt import (
     decoder_factory,
     encode_prompt_off_loop,
     finish_context,
+    new_batch,
     one_group,
-    open_batch,
     raw_prepared,
     raw_tokenizer,
     stop_list,
@@ -116,9 +115,7 @@ def _generate_item(
     return item
 
 
-async def run_generate(
-    state: GatewayState, request: GenerateRequest, ctx: RequestContext
-) -> dict[str, Any] | list[dict[str, Any]] | AsyncGenerator[bytes, None]:
+async def plan_generate(state: GatewayState, request: GenerateRequest, ctx: RequestContext) -> Planned:
     group = one_group(state, request.model)
     ctx.model = group.name
     require_token_engine(group, "POST /generate", "use /v1/completions or /v1/chat/completions")
@@ -150,19 +147,20 @@ async def run_generate(
     n = params.n
     new_decoder = decoder_factory(state, tok, params.skip_special_tokens)
     samples = [[RawSample(new_decoder()) for _ in range(n)] for _ in prompts]
-    opened = await open_batch(state, ctx, prepared, stream=request.stream)
+    opened = new_batch(state, ctx, prepared, stream=request.stream)
     several = batched or n > 1
     framer = GenerateFramer(ctx, opened, samples, request, several)
-    if not request.stream:
-        await collect(ctx, opened.chunks(), framer)
-        finish_context(ctx, opened, samples)
+
+    async def body() -> dict[str, Any] | list[dict[str, Any]]:
+        finish_context(ctx, opened)
         items = [
             _generate_item(samples[i][j], opened.children[i].request_id, request, None)
             for i in range(len(prompts))
             for j in range(n)
         ]
         return items if several else items[0]
-    return drive(ctx, opened.chunks(), framer)
+
+    return Generation(opened.source, framer, body=None if request.stream else body)
 
 
 class GenerateFramer(NothingToSettle):
@@ -200,7 +198,7 @@ class GenerateFramer(NothingToSettle):
         return False  # stop strings are the engine's on these routes
 
     def tail(self) -> bytes:
-        finish_context(self._ctx, self._batch, self._samples)
+        finish_context(self._ctx, self._batch)
         return DONE
 
     def error(self, exc: BaseException) -> bytes:

@@ -3,12 +3,13 @@ driver, framed as Anthropic's JSON body or stream; and `count_tokens`, the same 
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+from ...engines.base import EngineChunk
 from ...errors import InvalidRequest
 from ...pipeline.context import GatewayState, RequestContext
-from ...pipeline.drive import collect, drive, open_generation
+from ...pipeline.drive import Generation, Planned, open_generation
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
 from ..chat.upstream import is_text_group
@@ -31,10 +32,8 @@ async def count_message_tokens(
     return {"input_tokens": len(plan.prepared.input_ids)}
 
 
-async def run_messages(
-    state: GatewayState, request: MessagesRequest, ctx: RequestContext
-) -> dict[str, Any] | AsyncGenerator[bytes, None]:
-    """A Message body, or the SSE byte stream; raises GatewayError before any output."""
+async def plan_messages(state: GatewayState, request: MessagesRequest, ctx: RequestContext) -> Planned:
+    """A Messages request prepared with its framer: Anthropic's stream events, or one Message body."""
     group = resolve_group(state, request.model)
     ctx.model = group.name
     plan = await prepare_messages(state, request, group, owner=ctx.owner)
@@ -50,29 +49,30 @@ async def run_messages(
     choice.include_reasoning = plan.show_thinking
     # Streaming from the engine lets the gateway stop early on a client stop sequence.
     engine_stream = request.stream or bool(prepared.stop_strings)
-    source = await open_generation(state, prepared, ctx, stream=engine_stream)
     message_id = "msg_" + ctx.request_id
     framer = MessagesFramer(
         message_id, group.name, prepared, ctx, choice, stream=request.stream, sign=plan.sign
     )
-    if request.stream:
-        return drive(ctx, source, framer)
-    await collect(ctx, source, framer)
-    blocks = framer.blocks
-    blocks.push(choice.close())
-    blocks.close()
-    if prepared.after_turn is not None:
-        await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
-    reason, sequence = stop_reason(choice, prepared.stop_strings)
-    usage = anthropic_usage(choice, prepared, ctx)
-    ctx.completion_tokens = usage["output_tokens"]
-    return {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "model": group.name,
-        "content": blocks.blocks,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage,
-    }
+
+    def open_stream() -> Awaitable[AsyncIterator[EngineChunk]]:
+        return open_generation(state, prepared, ctx, stream=engine_stream)
+
+    async def body() -> dict[str, Any]:
+        blocks = framer.blocks
+        blocks.push(choice.close())
+        blocks.close()
+        if prepared.after_turn is not None:
+            await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
+        reason, sequence = stop_reason(choice, prepared.stop_strings)
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": group.name,
+            "content": blocks.blocks,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": anthropic_usage(choice, prepared, ctx),
+        }
+
+    return Generation(open_stream, framer, body=None if request.stream else body)

@@ -3,6 +3,6 @@ generations, storing them, their event logs and cancellation. The surface code i
 request to Harmony, building output items, framing events) is one level up, in `surfaces/responses/`."""
 
 from .background import cancel_response
-from .service import run_responses
+from .service import plan_responses
 
-__all__ = ["cancel_response", "run_responses"]
+__all__ = ["cancel_response", "plan_responses"]

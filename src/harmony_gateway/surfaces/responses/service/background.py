@@ -99,7 +99,7 @@ async def _run_background(
             raise
         # The turns close the tools when they end; each batch of events is published as it forms.
         framer = ResponsesFramer(state, plan, builder, ctx, publish=feed.publish)
-        await collect(ctx, turns(state, plan, ctx, builder), framer)
+        await collect(turns(state, plan, ctx, builder), framer)
         body = finish_response(state, plan, builder, ctx)
         if not await persist(state, plan, body, background=True):
             # A cancel was stored first: it stands, and the log ends as the store does.
