@@ -11,7 +11,7 @@ import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -226,9 +226,15 @@ def prompt_cache_key_of(request: Any) -> str | None:
 
 
 def selection_text(history: Sequence[Msg]) -> str:
-    for msg in reversed(history):
-        if msg.role == "user":
-            return msg.text[:SELECTION_TEXT_CHARS]
+    return newest_user_text((msg.role, msg.text) for msg in reversed(history))
+
+
+def newest_user_text(newest_first: Iterable[tuple[str, object]]) -> str:
+    """The routing policies' selection text: the newest user message's text, clipped to
+    SELECTION_TEXT_CHARS, from (role, content) pairs newest first; content that is not text is passed."""
+    for role, content in newest_first:
+        if role == "user" and isinstance(content, str):
+            return content[:SELECTION_TEXT_CHARS]
     return ""
 
 
@@ -312,15 +318,20 @@ def token_budget(group: ModelGroup, prompt_len: int, requested: int | None, *, p
     return context - prompt_len if context else None
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+#: Stop strings the gateway matches itself in a request's output (Chat `stop`, Messages `stop_sequences`).
+MAX_MATCHED_STOPS = 16
+
+
+def stop_strings(stop: str | list[str] | None, *, param: str = "stop") -> tuple[str, ...]:
+    """The stop strings the gateway matches in the answer text; raises InvalidRequest naming `param`."""
     if stop is None:
         return ()
     values = [stop] if isinstance(stop, str) else stop
-    if len(values) > 16:
-        raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
+    if len(values) > MAX_MATCHED_STOPS:
+        raise InvalidRequest(f"at most {MAX_MATCHED_STOPS} stop sequences are supported", param=param)
     for value in values:
         if not isinstance(value, str) or not value:
-            raise InvalidRequest("stop sequences must be non-empty strings", param="stop")
+            raise InvalidRequest("stop sequences must be non-empty strings", param=param)
     return tuple(values)
 
 

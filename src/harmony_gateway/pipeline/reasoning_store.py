@@ -37,6 +37,7 @@ import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -186,6 +187,32 @@ def turn_remembering(state: Any, owner: str) -> Callable[[Any], Awaitable[None]]
             log.warning("could not keep the analysis of tool calls %s: %s", calls, exc)
 
     return remember_turn
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantTurn:
+    """What restoring reasoning needs of one assistant message of a request's history, whatever its wire:
+    its position, the call ids it issued, whether it holds answer text, and whether the client sent its
+    reasoning back."""
+
+    index: int
+    call_ids: list[str]
+    answers: bool
+    has_reasoning: bool
+
+
+def restorable_turns(turns: Iterable[AssistantTurn]) -> dict[int, list[str]]:
+    """Tool-call turns whose analysis the model still needs but the client did not send, by index, with
+    their call ids: those after the last final answer (Harmony drops older analysis anyway)."""
+    found: dict[int, list[str]] = {}
+    for turn in turns:
+        if not turn.call_ids:
+            if turn.answers:
+                found.clear()  # a final answer: the analysis before it is dropped
+            continue
+        if not turn.has_reasoning:
+            found[turn.index] = turn.call_ids
+    return found
 
 
 #: Bounds on the storage lookups restoring one request's reasoning (`recall_analyses`).

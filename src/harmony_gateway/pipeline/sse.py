@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import orjson
 
+#: What every event's data starts with, and what ends an event: framers that keep a chunk's JSON as a
+#: byte template around the per-token part (Chat Completions, completions) write these around it.
+DATA_FIELD = b"data: "
+EVENT_END = b"\n\n"
+
 #: The end-of-stream marker of the OpenAI-style streams (Chat Completions, completions, `/generate`).
-DONE = b"data: [DONE]\n\n"
+DONE = DATA_FIELD + b"[DONE]" + EVENT_END
 
 
 def data_frame(data: object) -> bytes:
     """`data: {json}` (an event without a name)."""
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+    return DATA_FIELD + orjson.dumps(data) + EVENT_END
 
 
 def event_frame(event_type: str, data: object) -> bytes:
     """`event: NAME` then `data: {json}` (Anthropic's and the Responses API's named events)."""
-    return b"event: " + event_type.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    return encoded_event_frame(event_type, orjson.dumps(data))
 
 
-__all__ = ["DONE", "data_frame", "event_frame"]
+def encoded_event_frame(event_type: str, payload: bytes) -> bytes:
+    """`event_frame` of data already encoded as JSON (`payload`)."""
+    return b"event: " + event_type.encode() + b"\n" + DATA_FIELD + payload + EVENT_END
+
+
+__all__ = ["DATA_FIELD", "DONE", "EVENT_END", "data_frame", "encoded_event_frame", "event_frame"]

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
+from ...pipeline.sse import DATA_FIELD, EVENT_END
 from ...pipeline.text_output import TextChoiceOutput
 
 _dumps = orjson.dumps
@@ -35,8 +36,8 @@ class ChatStreamWriter:
         self, completion_id: str, created: int, model: str, *, include_usage: bool, reasoning_mode: str
     ) -> None:
         head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        self._head = b"data: " + _dumps(head)[:-1] + b',"choices":['
-        self._tail = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._head = DATA_FIELD + _dumps(head)[:-1] + b',"choices":['
+        self._tail = (b'],"usage":null}' if include_usage else b"]}") + EVENT_END
         self._reasoning_keys = [b'"' + k.encode() + b'":' for k in reasoning_keys(reasoning_mode)]
 
     def role_chunk(self, index: int) -> bytes:

@@ -3,7 +3,7 @@ analysis) become the history, `tools` and `tool_choice` the developer message's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ...errors import InvalidRequest
@@ -30,7 +30,7 @@ from ...pipeline.prepare import (
     response_format_of,
     stop_strings,
 )
-from ...pipeline.reasoning_store import recall_analyses, turn_remembering
+from ...pipeline.reasoning_store import AssistantTurn, recall_analyses, restorable_turns, turn_remembering
 from ...routing.fleet import ModelGroup
 from .types import ChatCompletionRequest, ChatMessage
 
@@ -124,20 +124,19 @@ def chat_history(
     return ("\n\n".join(instructions) or None), drop_old_analysis(history)
 
 
-def restorable_turns(messages: Sequence[ChatMessage]) -> dict[int, list[str]]:
-    """Assistant messages whose analysis the model still needs but the client did not send: tool-call turns
-    after the last final answer (older analysis is dropped anyway), by index, with their call ids."""
-    turns: dict[int, list[str]] = {}
+def assistant_turns(messages: Sequence[ChatMessage]) -> Iterator[AssistantTurn]:
+    """The assistant messages of a chat history, as reasoning restore reads them."""
     for i, message in enumerate(messages):
         if message.role != "assistant":
             continue
-        if not message.tool_calls:
-            if text_of(message.content, param=f"messages[{i}].content", allow_refusal=True):
-                turns.clear()  # a final answer: the analysis before it is dropped
-            continue
-        if not (message.reasoning_content or message.reasoning):
-            turns[i] = [call.id for call in message.tool_calls]
-    return turns
+        calls = [call.id for call in message.tool_calls or ()]
+        yield AssistantTurn(
+            index=i,
+            call_ids=calls,
+            answers=not calls
+            and bool(text_of(message.content, param=f"messages[{i}].content", allow_refusal=True)),
+            has_reasoning=bool(message.reasoning_content or message.reasoning),
+        )
 
 
 def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[int, str]) -> HarmonyTurn:
@@ -177,7 +176,7 @@ async def prepare_chat(
         from .template import prepare_chat_template
 
         return await prepare_chat_template(state, request, group)
-    restored = await recall_analyses(state, owner, restorable_turns(request.messages))
+    restored = await recall_analyses(state, owner, restorable_turns(assistant_turns(request.messages)))
     prepared = await prepare_harmony(state, group, chat_turn(request, group, restored))
     prepared.after_turn = turn_remembering(state, owner)
     return prepared

@@ -31,8 +31,8 @@ from ...errors import InvalidRequest, UpstreamError
 from ...observability.tracing import traced
 from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.prepare import (
-    SELECTION_TEXT_CHARS,
     apply_tool_choice,
+    newest_user_text,
     request_sampling,
     stop_strings,
     token_budget,
@@ -199,10 +199,7 @@ def render_and_encode(tok: ModelTokenizer, request: ChatCompletionRequest) -> tu
 
 
 def selection_text(request: ChatCompletionRequest) -> str:
-    for message in reversed(request.messages):
-        if message.role == "user" and isinstance(message.content, str):
-            return message.content[:SELECTION_TEXT_CHARS]
-    return ""
+    return newest_user_text((message.role, message.content) for message in reversed(request.messages))
 
 
 def output_spec(

@@ -34,7 +34,7 @@ from ...pipeline.raw_prompt import (
     raw_tokenizer,
     stop_list,
 )
-from ...pipeline.sse import DONE
+from ...pipeline.sse import DATA_FIELD, DONE, EVENT_END, data_frame
 from ..chat.upstream import is_text_group
 from .types import CompletionRequest
 
@@ -264,8 +264,8 @@ class CompletionsFramer(NothingToSettle):
         self._want_logprobs = want_logprobs
         self._include_usage = include_usage
         self._n = len(samples[0])
-        self._prefix = b"data: " + _dumps(head)[:-1] + b',"choices":['
-        self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+        self._prefix = DATA_FIELD + _dumps(head)[:-1] + b',"choices":['
+        self._suffix = (b'],"usage":null}' if include_usage else b"]}") + EVENT_END
         self._echoed = [[False] * self._n for _ in samples]
         self.streaming = False
 
@@ -303,7 +303,7 @@ class CompletionsFramer(NothingToSettle):
         out = b""
         if self._include_usage:
             usage = _completion_usage(self._batch, self._samples)
-            out += b"data: " + _dumps({**self._head, "choices": [], "usage": usage}) + b"\n\n"
+            out += data_frame({**self._head, "choices": [], "usage": usage})
         return out + DONE
 
     def error(self, exc: BaseException) -> bytes:

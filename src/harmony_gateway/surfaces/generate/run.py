@@ -33,7 +33,7 @@ from ...pipeline.raw_prompt import (
     raw_tokenizer,
     stop_list,
 )
-from ...pipeline.sse import DONE
+from ...pipeline.sse import DONE, data_frame
 from ...routing.fleet import ModelGroup
 from ..chat.upstream import require_token_engine
 from .types import GenerateRequest, SglangSamplingParams
@@ -192,7 +192,7 @@ class GenerateFramer(NothingToSettle):
             return b""
         index = i * self._n + chunk.index if self._several else None
         out = _generate_item(sample, self._batch.children[i].request_id, self._request, index)
-        return b"data: " + _dumps(out) + b"\n\n"
+        return data_frame(out)
 
     def stopped(self) -> bool:
         return False  # stop strings are the engine's on these routes

@@ -17,6 +17,7 @@ from ...harmony import token_parser as tp
 from ...pipeline.context import PreparedRequest, RequestContext
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from ...pipeline.reasoning_budget import budget_exceeded
+from ...pipeline.sse import encoded_event_frame
 from ...pipeline.text_output import TextChoiceOutput
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,6 @@ def parse_tool_input(arguments: str, name: str | None) -> tuple[dict[str, Any], 
         return value, True
     log.warning("tool call %s: arguments are not a JSON object; sent as input {}: %.200r", name, arguments)
     return {}, False
-
-
-def _frame(event: str, payload: bytes) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + payload + b"\n\n"
 
 
 _THINKING, _TEXT, _TOOL = "thinking", "text", "tool_use"
@@ -118,7 +115,7 @@ class MessageBlocks:
         else:
             start = {"type": "tool_use", **(self._tool or {}), "input": {}}
         payload = {"type": "content_block_start", "index": len(self.blocks), "content_block": start}
-        out.append(_frame("content_block_start", _dumps(payload)))
+        out.append(encoded_event_frame("content_block_start", _dumps(payload)))
 
     def _flush(self, kind: str | None, pieces: list[str], out: list[bytes]) -> None:
         if not self._stream or kind is None or not pieces:
@@ -126,7 +123,7 @@ class MessageBlocks:
         text = pieces[0] if len(pieces) == 1 else "".join(pieces)
         field = b'"thinking_delta","thinking":' if kind == _THINKING else b'"text_delta","text":'
         out.append(
-            _frame(
+            encoded_event_frame(
                 "content_block_delta",
                 b'{"type":"content_block_delta","index":%d,"delta":{"type":' % len(self.blocks)
                 + field
@@ -148,7 +145,7 @@ class MessageBlocks:
             if stream:
                 delta = {"type": "signature_delta", "signature": signature}
                 payload = {"type": "content_block_delta", "index": index, "delta": delta}
-                out.append(_frame("content_block_delta", _dumps(payload)))
+                out.append(encoded_event_frame("content_block_delta", _dumps(payload)))
         elif kind == _TEXT:
             self.blocks.append({"type": "text", "text": text})
         else:
@@ -159,10 +156,12 @@ class MessageBlocks:
                 partial = text if valid and text.strip() else _dumps(value).decode()
                 delta = {"type": "input_json_delta", "partial_json": partial}
                 payload = {"type": "content_block_delta", "index": index, "delta": delta}
-                out.append(_frame("content_block_delta", _dumps(payload)))
+                out.append(encoded_event_frame("content_block_delta", _dumps(payload)))
             self._tool = None
         if stream:
-            out.append(_frame("content_block_stop", b'{"type":"content_block_stop","index":%d}' % index))
+            out.append(
+                encoded_event_frame("content_block_stop", b'{"type":"content_block_stop","index":%d}' % index)
+            )
         self._kind = None
         self._parts = []
 
@@ -259,7 +258,9 @@ class MessagesFramer:
                 },
             },
         }
-        return _frame("message_start", _dumps(start)) + _frame("ping", b'{"type":"ping"}')
+        return encoded_event_frame("message_start", _dumps(start)) + encoded_event_frame(
+            "ping", b'{"type":"ping"}'
+        )
 
     def feed(self, chunk: EngineChunk) -> bytes:
         head = self._head(chunk) if self._head_due else b""
@@ -287,7 +288,9 @@ class MessagesFramer:
             "usage": usage,
         }
         return (
-            tail + _frame("message_delta", _dumps(delta)) + _frame("message_stop", b'{"type":"message_stop"}')
+            tail
+            + encoded_event_frame("message_delta", _dumps(delta))
+            + encoded_event_frame("message_stop", b'{"type":"message_stop"}')
         )
 
     def error(self, exc: BaseException) -> bytes:

@@ -49,7 +49,7 @@ fail on invalid arguments.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,21 @@ from ...harmony.messages import (
 from ...observability.tracing import traced
 from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.hosted_tools import note_dropped_tool
-from ...pipeline.prepare import HarmonyTurn, apply_tool_choice, prepare_harmony, sampling_options
-from ...pipeline.reasoning_store import SIGNATURE_PREFIX, reasoning_vault, recall_analyses, turn_remembering
+from ...pipeline.prepare import (
+    HarmonyTurn,
+    apply_tool_choice,
+    prepare_harmony,
+    sampling_options,
+    stop_strings,
+)
+from ...pipeline.reasoning_store import (
+    SIGNATURE_PREFIX,
+    AssistantTurn,
+    reasoning_vault,
+    recall_analyses,
+    restorable_turns,
+    turn_remembering,
+)
 from ...routing.fleet import ModelGroup
 from ..chat.types import ChatCompletionRequest
 from ..chat.upstream import attach_harmony_upstream, is_text_group
@@ -215,24 +228,22 @@ def anthropic_history(
     return ("\n\n".join(instructions) or None), drop_old_analysis(history)
 
 
-def restorable_turns(request: CountTokensRequest) -> dict[int, list[str]]:
-    """Assistant turns with `tool_use` blocks and no thinking after the last final answer, by index, with
-    the call ids the gateway issued for them (`toolu_X` was `call_X`)."""
-    turns: dict[int, list[str]] = {}
+def assistant_turns(request: CountTokensRequest) -> Iterator[AssistantTurn]:
+    """The assistant messages of a Messages history, as reasoning restore reads them: the call ids are
+    the ones the gateway issued (`toolu_X` was `call_X`)."""
     for i, message in enumerate(request.messages):
         if message.role != "assistant":
             continue
         blocks = message.content if isinstance(message.content, list) else []
-        uses: list[str] = [
-            b["id"] for b in blocks if b.get("type") == "tool_use" and isinstance(b.get("id"), str)
-        ]
-        if not uses:
-            if message.content if isinstance(message.content, str) else any(b.get("text") for b in blocks):
-                turns.clear()  # a final answer: the analysis before it is dropped
-            continue
-        if not any(b.get("type") in ("thinking", "redacted_thinking") for b in blocks):
-            turns[i] = ["call_" + u[6:] if u.startswith("toolu_") else u for u in uses]
-    return turns
+        uses = [b["id"] for b in blocks if b.get("type") == "tool_use" and isinstance(b.get("id"), str)]
+        yield AssistantTurn(
+            index=i,
+            call_ids=["call_" + u[6:] if u.startswith("toolu_") else u for u in uses],
+            answers=bool(message.content)
+            if isinstance(message.content, str)
+            else any(b.get("text") for b in blocks),
+            has_reasoning=any(b.get("type") in ("thinking", "redacted_thinking") for b in blocks),
+        )
 
 
 def _gateway_signed_thinking(request: CountTokensRequest) -> list[tuple[str, Any, str]]:
@@ -376,13 +387,7 @@ def anthropic_tools(
 
 
 def stop_sequences(values: list[str] | None) -> tuple[str, ...]:
-    if not values:
-        return ()
-    if len(values) > 16:
-        raise InvalidRequest("at most 16 stop sequences are supported", param="stop_sequences")
-    if any(not value for value in values):
-        raise InvalidRequest("stop sequences must be non-empty strings", param="stop_sequences")
-    return tuple(values)
+    return stop_strings(values, param="stop_sequences")
 
 
 def _chat_user(content: str | list[dict[str, Any]], out: list[dict[str, Any]], *, param: str) -> None:
@@ -527,7 +532,7 @@ async def prepare_messages(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
         )
     tools = anthropic_tools(request, unbacked=state.settings.unbacked_tools, metrics=state.metrics)
-    restored = await recall_analyses(state, owner, restorable_turns(request))
+    restored = await recall_analyses(state, owner, restorable_turns(assistant_turns(request)))
     full = request if isinstance(request, MessagesRequest) else None
     prepared = await prepare_harmony(state, group, messages_turn(request, group, tools, restored))
     if full is not None:

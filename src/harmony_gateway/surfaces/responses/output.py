@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from ...harmony import token_parser as tp
+from ...pipeline.sse import encoded_event_frame
 from .client_tools import LOCAL_SHELL, client_tool_kinds, local_shell_action
 from .mapper import new_id
 
@@ -21,8 +22,7 @@ _dumps = orjson.dumps
 
 
 def frame(event: dict[str, Any]) -> bytes:
-    kind: str = event["type"]
-    return b"event: " + kind.encode() + b"\ndata: " + _dumps(event) + b"\n\n"
+    return encoded_event_frame(event["type"], _dumps(event))
 
 
 _NOT_COMPLETED = {"type": "http_error", "code": 499, "message": "the call was not completed"}
