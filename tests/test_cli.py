@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
+import harmony_gateway
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
 from harmony_gateway.engines.registry import GRPC_ENGINES
 from harmony_gateway.sim.server import EngineKind
@@ -141,6 +143,23 @@ def test_reasoning_key_file_keeps_the_key_out_of_the_process_list(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--reasoning-key-file" in capsys.readouterr().out
+
+
+def test_version_names_the_installed_distribution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"harmony-gateway {metadata.version('harmony-gateway')}\n"
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)  # a source tree without an install
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out == f"harmony-gateway {harmony_gateway.__version__}\n"
 
 
 SERVE_GROUPS = [

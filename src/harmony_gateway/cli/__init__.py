@@ -1,5 +1,5 @@
-"""Command line: `harmony-gateway serve | sim-engine | vocab | render`, one module per command. Every
-command has --help; serve's shows its options in groups, with their defaults."""
+"""Command line: `harmony-gateway serve | sim-engine | vocab | render`, one module per command, and
+`--version`. Every command has --help; serve's shows its options in groups, with their defaults."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import TYPE_CHECKING
 
+from .. import __version__
 from ..observability.logging import configure_logging
 from . import render, serve, sim_engine, vocab
 from .common import DefaultsHelpFormatter
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "app_from_env",
     "build_parser",
+    "gateway_version",
     "invalid_setting",
     "main",
     "settings_from_args",
@@ -28,10 +31,19 @@ __all__ = [
 ]
 
 
+def gateway_version() -> str:
+    """The installed distribution's version, else the package's own (running from a source tree)."""
+    try:
+        return metadata.version("harmony-gateway")
+    except metadata.PackageNotFoundError:
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="harmony-gateway", description="OpenAI-compatible gateway for gpt-oss (Harmony) and other LLMs"
     )
+    parser.add_argument("--version", action="version", version=f"harmony-gateway {gateway_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve.add_arguments(
         sub.add_parser(
