@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
+import harmony_gateway
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
+from harmony_gateway.engines.registry import GRPC_ENGINES
+from harmony_gateway.sim.server import EngineKind
 from harmony_gateway.storage import ConversationLimits
 
 
@@ -137,3 +143,72 @@ def test_reasoning_key_file_keeps_the_key_out_of_the_process_list(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "--reasoning-key-file" in capsys.readouterr().out
+
+
+def test_version_names_the_installed_distribution(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"harmony-gateway {metadata.version('harmony-gateway')}\n"
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)  # a source tree without an install
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out == f"harmony-gateway {harmony_gateway.__version__}\n"
+
+
+SERVE_GROUPS = [
+    "server",
+    "engine and model",
+    "routing",
+    "storage",
+    "limits and traffic",
+    "security",
+    "observability",
+]
+
+
+def test_serve_help_shows_the_option_groups_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    titles = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert titles == ["options", *SERVE_GROUPS]
+    flat = " ".join(text.split())
+    for shown in ("--port PORT port to listen on (default: 8000)", "(default: round_robin)"):
+        assert shown in flat
+
+
+def test_every_serve_default_is_shown_once() -> None:
+    serve = _subcommand(build_parser(), "serve")
+    formatter = serve._get_formatter()
+    for action in serve._actions:
+        help_text = formatter._expand_help(action) if action.help else ""
+        assert help_text.lower().count("default") <= 1, action.option_strings
+        if not any(action.default is unset for unset in (None, False, argparse.SUPPRESS)):
+            assert f"(default: {action.default}" in help_text, action.option_strings
+
+
+def test_engine_choices_are_the_engines_registry() -> None:
+    parser = build_parser()
+    protocols = [name for name in GRPC_ENGINES if name != "auto"]
+    assert list(_option(parser, "serve", "--engine").choices or ()) == ["auto", *protocols]
+    assert list(_option(parser, "sim-engine", "--engine").choices or ()) == protocols
+    assert set(get_args(EngineKind)) == set(protocols)  # the simulator speaks every one of them
+    for name in GRPC_ENGINES:
+        assert parser.parse_args(["serve", "--engine", name]).engine == name
+
+
+def _subcommand(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subcommand: argparse.ArgumentParser = commands.choices[command]
+    return subcommand
+
+
+def _option(parser: argparse.ArgumentParser, command: str, flag: str) -> argparse.Action:
+    return next(a for a in _subcommand(parser, command)._actions if flag in a.option_strings)

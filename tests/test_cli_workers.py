@@ -7,6 +7,7 @@ import json
 import pytest
 
 from harmony_gateway import cli
+from harmony_gateway.cli.serve import SERVE_ARGV_ENV
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,7 @@ def test_workers_need_shared_state(extra: list[str], capsys: pytest.CaptureFixtu
 
 def test_process_app_is_built_from_the_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     argv = ["serve", "--worker-url", "grpc://127.0.0.1:1", "--storage", f"sqlite:///{tmp_path}/r.db"]
-    monkeypatch.setenv(cli._ARGV_ENV, json.dumps(argv))
+    monkeypatch.setenv(SERVE_ARGV_ENV, json.dumps(argv))
     app = cli.app_from_env()
     assert "/v1/chat/completions" in app.openapi()["paths"]
 

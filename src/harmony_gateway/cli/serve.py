@@ -1,0 +1,858 @@
+"""`harmony-gateway serve`: its options (in groups, defaults shown), the Settings they make, the checks
+that refuse settings which cannot work before the port is bound, and the server run in one process or
+as `--workers N` processes behind uvicorn's supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidRequest
+from ..observability.logging import configure_logging
+from ..pipeline.output_parsers.registry import validate_parser_names
+from ..routing.cache_aware import CacheAwarePolicy
+from ..routing.registry import POLICIES
+from ..settings import Settings, Timeouts
+from ..storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
+from ..traffic.keys import KeyPolicy, read_key_file
+from .common import ENGINE_PROTOCOLS, pairs, positive_int, run_until_interrupted, split_list
+
+if TYPE_CHECKING:
+    import uvicorn
+    from fastapi import FastAPI
+
+log = logging.getLogger("harmony_gateway")
+
+#: The command line a `serve --workers N` supervisor hands its processes (`app_from_env`).
+SERVE_ARGV_ENV = "HARMONY_GATEWAY_SERVE_ARGV"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """serve's options, in the groups `serve --help` shows them in."""
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the port; above 1 they share the registered workers, "
+        "their health and /metrics through the storage, which must be sqlite or postgresql",
+    )
+    _add_engine_and_model_arguments(p.add_argument_group("engine and model"))
+    _add_routing_arguments(p.add_argument_group("routing"))
+    _add_storage_arguments(p.add_argument_group("storage"))
+    _add_limits_and_traffic_arguments(
+        p.add_argument_group("limits and traffic", "See README, Limits and Traffic control.")
+    )
+    _add_security_arguments(p.add_argument_group("security"))
+    observability = p.add_argument_group("observability")
+    observability.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+    observability.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    observability.add_argument(
+        "--log-prompts", action="store_true", help="include prompt text in request logs"
+    )
+    observability.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318) "
+        "(default: tracing off)",
+    )
+
+
+def _add_engine_and_model_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--worker-url",
+        action="append",
+        metavar="URL",
+        help="engine worker: grpc://host:port, or http://host:port for an OpenAI-compatible server (repeatable)",
+    )
+    g.add_argument(
+        "--prefill", action="append", metavar="URL", help="prefill worker for PD disaggregation (repeatable)"
+    )
+    g.add_argument(
+        "--decode", action="append", metavar="URL", help="decode worker for PD disaggregation (repeatable)"
+    )
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", *ENGINE_PROTOCOLS],
+        help="engine gRPC protocol (auto: detected on the worker's first probe)",
+    )
+    g.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=8998,
+        help="PD bootstrap port when a prefill worker does not report one",
+    )
+    g.add_argument(
+        "--stream-interval",
+        default="auto",
+        metavar="N|auto|engine",
+        help="ask SGLang engines for one streamed message per N tokens (fewer messages, coarser deltas); "
+        "'auto' sends as many tokens per message as the engine decodes in 10 ms, more while the "
+        "gateway itself is saturated; 'engine' leaves the engine's own setting",
+    )
+    g.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for an engine's first output",
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=1800.0, help="seconds one engine request may take in total"
+    )
+    g.add_argument(
+        "--demo",
+        action="store_true",
+        help="also start a simulated gpt-oss engine on a free port and print examples",
+    )
+    g.add_argument(
+        "--harmony-models",
+        action="append",
+        metavar="NAMES",
+        help="models to treat as Harmony (comma-separated; also HARMONY_MODELS)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="MODEL=DIR",
+        help="local tokenizer folder for a non-Harmony model",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        action="append",
+        metavar="MODEL=NAME",
+        help="reasoning parser for a non-Harmony model (think)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        action="append",
+        metavar="MODEL=NAME",
+        help="tool-call parser for a non-Harmony model (json)",
+    )
+    g.add_argument(
+        "--text-parser",
+        action="append",
+        metavar="MODEL=KIND",
+        help="text output parser for a model behind an HTTP upstream: harmony, think, marker, "
+        "passthrough or off (docs/models.md)",
+    )
+    g.add_argument(
+        "--text-parser-window-chars",
+        type=int,
+        default=256,
+        metavar="N",
+        help="the Harmony text parser falls back to the ===FINAL=== marker, then pass-through, when no "
+        "channel marker appears in the first N characters",
+    )
+    g.add_argument(
+        "--text-parser-window-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="... or within S seconds of the first output chunk (default: no time limit)",
+    )
+    g.add_argument(
+        "--model-alias",
+        action="append",
+        metavar="NAME=MODEL",
+        help="serve MODEL under NAME too on /v1/messages (e.g. a Claude model name Claude Code asks for)",
+    )
+    g.add_argument(
+        "--conversation-date",
+        default=None,
+        help="pin the Harmony conversation start date (YYYY-MM-DD) (default: today, UTC)",
+    )
+    g.add_argument(
+        "--reasoning-fields",
+        default="both",
+        choices=["both", "reasoning_content", "reasoning"],
+        help="which reasoning field(s) chat responses carry",
+    )
+    g.add_argument(
+        "--unbacked-tools",
+        choices=("drop", "reject"),
+        default="drop",
+        help="hosted tools nothing backs (web_search without a browser server, file_search, ...): "
+        "leave them out of the prompt (drop) or answer 400 (reject)",
+    )
+    g.add_argument(
+        "--mcp-config", default=None, metavar="FILE", help="YAML file of gateway-configured MCP servers"
+    )
+    g.add_argument("--mcp-tool-timeout", type=float, default=30.0, help="seconds an MCP tool call may take")
+    g.add_argument(
+        "--mcp-max-output-chars", type=int, default=64_000, help="cap on tool output fed back to the model"
+    )
+    g.add_argument(
+        "--max-tool-calls", type=int, default=10, help="limit on gateway-executed tool calls per response"
+    )
+
+
+def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--policy",
+        default="round_robin",
+        help="routing policy: round_robin, random, power_of_two, cache_aware, consistent_hash",
+    )
+    g.add_argument(
+        "--model-policy",
+        action="append",
+        metavar="MODEL=POLICY",
+        help="per-model policy override (repeatable)",
+    )
+    g.add_argument("--prefill-policy", default=None, help="policy for the prefill pool (default: --policy)")
+    g.add_argument("--decode-policy", default=None, help="policy for the decode pool (default: --policy)")
+    g.add_argument(
+        "--cache-key",
+        default="tokens",
+        choices=["tokens", "selection-text"],
+        help="what cache_aware matches on",
+    )
+    g.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=0.5,
+        help="cache_aware: share of the prompt (0-1) a cached prefix must cover to pick the worker",
+    )
+    g.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=32,
+        help="cache_aware: send to the least-loaded worker when the busiest has more than this many "
+        "in-flight requests above it...",
+    )
+    g.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=1.5,
+        help="...and more than this many times its in-flight requests",
+    )
+    g.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="retries on another worker for requests that fail before the first token",
+    )
+    g.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
+    g.add_argument("--health-timeout", type=float, default=2.0, help="health check timeout in seconds")
+    g.add_argument(
+        "--health-failure-threshold", type=int, default=3, help="failed checks before a worker is marked down"
+    )
+    g.add_argument(
+        "--health-success-threshold", type=int, default=2, help="passed checks before a worker is marked up"
+    )
+    g.add_argument(
+        "--breaker-failure-threshold",
+        type=int,
+        default=5,
+        help="consecutive request failures that open a worker's circuit breaker",
+    )
+    g.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=30.0,
+        help="seconds before an open breaker lets a trial request through",
+    )
+
+
+def _add_storage_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help="memory://, sqlite:///path or postgresql://... (default: a file in the user data dir)",
+    )
+    g.add_argument("--storage-schema", default=None, help="PostgreSQL schema for the gateway's tables")
+    g.add_argument(
+        "--storage-retention",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="purge stored responses older than this (default: kept)",
+    )
+    g.add_argument(
+        "--max-conversation-items",
+        type=positive_int,
+        default=DEFAULT_MAX_CONVERSATION_ITEMS,
+        metavar="N",
+        help="items one conversation may hold; an append past it is a 400 (default: %(default)s; OpenAI "
+        "documents 20 per call and no total)",
+    )
+    g.add_argument(
+        "--max-conversation-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_CONVERSATION_BYTES,
+        metavar="N",
+        help="bytes of items (as stored JSON) one conversation may hold; an append past it is a 400 "
+        "(default: %(default)s, 8 MiB)",
+    )
+
+
+def _add_limits_and_traffic_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest request body accepted; larger ones get 413 before they are read "
+        "(default: %(default)s, 8 MiB)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a client has to send a request's head (request line and headers); then 408",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds the gateway waits for each piece of a request body; then 408",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        metavar="N",
+        help="largest total size of a request's header names and values; above it 431 "
+        "(default: %(default)s, 64 KiB)",
+    )
+    g.add_argument(
+        "--max-headers",
+        type=int,
+        default=128,
+        metavar="N",
+        help="most headers one request may carry; above it 431",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections above which new requests get 503 (default: no cap but the open-file "
+        "limit, which start-up raises to its hard maximum)",
+    )
+    g.add_argument(
+        "--max-parse-tokens",
+        type=int,
+        default=131_072,
+        metavar="N",
+        help="most token ids POST /v1/harmony/parse reads; more are a 400",
+    )
+    g.add_argument(
+        "--max-batch-size",
+        type=positive_int,
+        default=64,
+        help="samples one /generate or /v1/completions batch may ask for, prompts × n",
+    )
+    g.add_argument(
+        "--batch-concurrency",
+        type=positive_int,
+        default=8,
+        help="sub-requests of one batch at the engines at once",
+    )
+    g.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests running at once, for the whole gateway: generations, render, parse, token "
+        "counting and writes (reads, cancels and deletes take no slot; default: no cap)",
+    )
+    g.add_argument(
+        "--queue-size",
+        type=int,
+        default=64,
+        metavar="M",
+        help="requests that may wait for a slot",
+    )
+    g.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a request may wait for a slot before a 429",
+    )
+    g.add_argument(
+        "--rate-limit",
+        type=int,
+        default=None,
+        metavar="R",
+        help="requests per minute per API key (per client address when no keys are configured); reads "
+        "count a tenth, render/parse/count_tokens and writes more with a bigger body (default: unlimited)",
+    )
+    g.add_argument(
+        "--token-rate-limit",
+        type=int,
+        default=None,
+        metavar="T",
+        help="prompt + completion tokens per minute per API key (or client address); a generation "
+        "reserves its estimated prompt plus max_tokens (or 1024) at admission, settled when it ends "
+        "(default: unlimited)",
+    )
+    g.add_argument(
+        "--rate-limit-store",
+        default=None,
+        metavar="URL",
+        help="redis://host:port/db: keep rate-limit budgets in Redis, shared by every replica "
+        "(default: per process)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+
+
+def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this bearer key on /v1 routes (repeatable; also HARMONY_GATEWAY_API_KEYS)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P "
+        "tenant=NAME (keys of one tenant share stored responses and conversations)",
+    )
+    g.add_argument(
+        "--admin-key",
+        action="append",
+        metavar="KEY",
+        help="bearer key for the admin plane: /workers, and /metrics and /docs with --protect-metrics "
+        "(repeatable; also HARMONY_GATEWAY_ADMIN_KEYS); tenant --api-key keys never open it",
+    )
+    g.add_argument(
+        "--admin-host",
+        default="127.0.0.1",
+        help="address of the admin listener started by --admin-port",
+    )
+    g.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin routes on this separate port only (the main port then refuses them) "
+        "(default: no admin listener)",
+    )
+    g.add_argument(
+        "--worker-allow-hosts",
+        action="append",
+        metavar="HOSTS",
+        help="hosts a worker registered with POST /workers may resolve to even if private or loopback "
+        "(comma-separated names, addresses or CIDR networks)",
+    )
+    g.add_argument(
+        "--mcp-allow-hosts",
+        action="append",
+        metavar="HOSTS",
+        help="hosts MCP server_url may resolve to even if private (comma-separated)",
+    )
+    g.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics, /docs and /openapi.json require the admin credential",
+    )
+    g.add_argument(
+        "--forwarded-allow-ips",
+        action="append",
+        metavar="IPS",
+        help="comma-separated IPs or CIDRs of proxies whose X-Forwarded-For/-Proto are trusted for the "
+        "client address ('*': every peer; repeatable) (default: none, the peer's own address counts)",
+    )
+    reasoning_key = g.add_mutually_exclusive_group()
+    reasoning_key.add_argument(
+        "--reasoning-key-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the key for encrypted reasoning and thinking signatures (surrounding "
+        "whitespace ignored); or set HARMONY_GATEWAY_REASONING_KEY (default: generated once and kept "
+        "in the storage)",
+    )
+    reasoning_key.add_argument(
+        "--reasoning-key",
+        default=None,
+        metavar="SECRET",
+        help="the same key given inline; discouraged: the command line is visible to every local user "
+        "in the process list (ps), so prefer --reasoning-key-file or HARMONY_GATEWAY_REASONING_KEY",
+    )
+
+
+def _stream_interval(value: str) -> int | None:
+    if value == "engine":
+        return None
+    if value == "auto":
+        return 0
+    if not value.isdigit() or int(value) < 1:
+        raise SystemExit(f"--stream-interval expects a positive number, 'auto' or 'engine', got {value!r}")
+    return int(value)
+
+
+def _key_file(args: argparse.Namespace) -> dict[str, KeyPolicy]:
+    """The key file's entries: key → `KeyPolicy` (its own limits and priority, if any)."""
+    if not args.api_key_file:
+        return {}
+    try:
+        return read_key_file(args.api_key_file)
+    except ValueError as exc:
+        raise SystemExit(f"harmony-gateway: {exc}") from None
+
+
+def _api_keys(args: argparse.Namespace) -> frozenset[str]:
+    keys = set(args.api_key or ())
+    keys.update(_key_file(args))
+    env = os.environ.get("HARMONY_GATEWAY_API_KEYS")
+    if env:
+        keys.update(k.strip() for k in env.split(",") if k.strip())
+    return frozenset(keys)
+
+
+def _admin_keys(args: argparse.Namespace) -> frozenset[str]:
+    keys = set(args.admin_key or ())
+    env = os.environ.get("HARMONY_GATEWAY_ADMIN_KEYS")
+    if env:
+        keys.update(k.strip() for k in env.split(",") if k.strip())
+    return frozenset(keys)
+
+
+def _reasoning_key(args: argparse.Namespace) -> str | None:
+    """The reasoning key: --reasoning-key-file, else --reasoning-key, else HARMONY_GATEWAY_REASONING_KEY."""
+    if args.reasoning_key_file:
+        try:
+            key = Path(args.reasoning_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SystemExit(f"harmony-gateway: --reasoning-key-file: cannot read it: {exc}") from None
+        if not key:
+            raise SystemExit(f"harmony-gateway: --reasoning-key-file: {args.reasoning_key_file} is empty")
+        return key
+    return args.reasoning_key or os.environ.get("HARMONY_GATEWAY_REASONING_KEY") or None
+
+
+def visible_secret_warning(args: argparse.Namespace) -> str | None:
+    """Why the command line is a poor place for a secret that was given on it, or None."""
+    if args.reasoning_key:
+        return (
+            "--reasoning-key is visible to every local user in the process list (ps); "
+            "use --reasoning-key-file or HARMONY_GATEWAY_REASONING_KEY instead"
+        )
+    return None
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The Settings of parsed `serve` options, with the keys the environment and key files add.
+
+    Exits (SystemExit with the reason) on an unreadable key file or a malformed `MODEL=VALUE` flag.
+    """
+    harmony_models = split_list(args.harmony_models) + split_list([os.environ.get("HARMONY_MODELS", "")])
+    return Settings(
+        host=args.host,
+        port=args.port,
+        worker_urls=tuple(args.worker_url or ()),
+        prefill_urls=tuple(args.prefill or ()),
+        decode_urls=tuple(args.decode or ()),
+        engine=args.engine,
+        harmony_models=frozenset(harmony_models),
+        policy=args.policy,
+        model_policies=pairs(args.model_policy, "--model-policy"),
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        cache_key=args.cache_key,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        bootstrap_port=args.bootstrap_port,
+        processes=args.workers,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        max_connections=args.max_connections,
+        forwarded_allow_ips=tuple(split_list(args.forwarded_allow_ips)),
+        max_parse_tokens=args.max_parse_tokens,
+        max_retries=args.max_retries,
+        max_batch_size=args.max_batch_size,
+        batch_concurrency=args.batch_concurrency,
+        stream_interval=_stream_interval(args.stream_interval),
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        health_failure_threshold=args.health_failure_threshold,
+        health_success_threshold=args.health_success_threshold,
+        breaker_failure_threshold=args.breaker_failure_threshold,
+        breaker_cooldown=args.breaker_cooldown,
+        timeouts=Timeouts(first_token=args.first_token_timeout, total=args.request_timeout),
+        conversation_start_date=args.conversation_date,
+        reasoning_fields=args.reasoning_fields,
+        storage_url=args.storage,
+        storage_schema=args.storage_schema,
+        storage_retention=args.storage_retention,
+        max_conversation_items=args.max_conversation_items,
+        max_conversation_bytes=args.max_conversation_bytes,
+        api_keys=_api_keys(args),
+        admin_keys=_admin_keys(args),
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        worker_allow_hosts=tuple(split_list(args.worker_allow_hosts)),
+        protect_metrics=args.protect_metrics,
+        log_level=args.log_level,
+        log_json=args.log_json,
+        log_prompts=args.log_prompts,
+        mcp_config=args.mcp_config,
+        mcp_allow_hosts=tuple(split_list(args.mcp_allow_hosts)),
+        mcp_tool_timeout=args.mcp_tool_timeout,
+        mcp_max_output_chars=args.mcp_max_output_chars,
+        max_tool_calls=args.max_tool_calls,
+        unbacked_tools=args.unbacked_tools,
+        reasoning_key=_reasoning_key(args),
+        tokenizer_paths=pairs(args.tokenizer, "--tokenizer"),
+        reasoning_parsers=pairs(args.reasoning_parser, "--reasoning-parser"),
+        tool_call_parsers=pairs(args.tool_call_parser, "--tool-call-parser"),
+        model_aliases=pairs(args.model_alias, "--model-alias"),
+        text_parsers=pairs(args.text_parser, "--text-parser"),
+        text_parser_window_chars=args.text_parser_window_chars,
+        text_parser_window_seconds=args.text_parser_window_seconds,
+        max_concurrent_requests=args.max_concurrent_requests,
+        queue_size=args.queue_size,
+        queue_timeout=args.queue_timeout,
+        rate_limit=args.rate_limit,
+        token_rate_limit=args.token_rate_limit,
+        rate_limit_store=args.rate_limit_store,
+        key_policies=_key_file(args),
+        drain_timeout=args.drain_timeout,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+
+
+def invalid_setting(settings: Settings) -> str | None:
+    """A one-line reason the settings cannot work (unknown policy or parser name), or None."""
+    for name in (
+        settings.policy,
+        settings.prefill_policy,
+        settings.decode_policy,
+        *settings.model_policies.values(),
+    ):
+        if name is not None and name not in POLICIES:
+            return f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
+    try:
+        CacheAwarePolicy(**settings.policy_options("cache_aware"))
+    except ValueError as exc:
+        return str(exc)
+    try:
+        validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
+    except InvalidRequest as exc:
+        return exc.message
+    if settings.text_parser_window_chars < 0:
+        return "--text-parser-window-chars must be 0 or more"
+    if settings.text_parser_window_seconds is not None and settings.text_parser_window_seconds <= 0:
+        return "--text-parser-window-seconds must be above 0"
+    for flag, value in (
+        ("--max-concurrent-requests", settings.max_concurrent_requests),
+        ("--rate-limit", settings.rate_limit),
+        ("--token-rate-limit", settings.token_rate_limit),
+    ):
+        if value is not None and value < 1:
+            return f"{flag} must be 1 or more"
+    if settings.queue_size < 0 or settings.queue_timeout <= 0 or settings.drain_timeout < 0:
+        return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
+    if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):
+        return "--rate-limit-store expects redis://host:port/db"
+    for peer in settings.forwarded_allow_ips:
+        if peer != "*":
+            try:
+                ipaddress.ip_network(peer, strict=False)
+            except ValueError:
+                return f"--forwarded-allow-ips expects IPs, CIDRs or '*', got {peer!r}"
+    if settings.protect_metrics and not settings.admin_keys and settings.admin_port is None:
+        return "--protect-metrics needs the admin credential: pass --admin-key KEY or --admin-port PORT"
+    return None
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> None:
+    """Serve until stopped. Settings that cannot work exit 2 with one line on stderr, before the port is
+    bound; `argv` is the command line, handed to the processes of `--workers N`."""
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_json)
+    warning = visible_secret_warning(args)
+    if warning:
+        log.warning(warning)
+    problem = invalid_setting(settings)
+    if problem:
+        print(f"harmony-gateway: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    # lazy: loads the openai_harmony library; the other commands and --help never need it
+    from ..harmony.encoding import VocabularyUnavailable, get_encoding
+
+    try:
+        get_encoding()  # fail fast, before binding the port
+    except VocabularyUnavailable as exc:
+        print(f"harmony-gateway: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if not settings.worker_urls and not settings.prefill_urls and not args.demo:
+        print("harmony-gateway: no workers: pass --worker-url grpc://host:port (or --demo)", file=sys.stderr)
+        raise SystemExit(2)
+    if args.workers > 1:
+        problem = _multiprocess_problem(settings, args.demo)
+        if problem:
+            print(f"harmony-gateway: --workers {args.workers}: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+        _serve_processes(settings, argv, args.workers)
+        return
+    run_until_interrupted(_serve(settings, args.demo))
+
+
+DEMO_TEXT = """
+Playground: http://{host}:{port}/   (open it in a browser)
+
+harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engine {sim}
+
+  curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is 2+2?"}}]}}'
+
+  python - <<'PY'
+  from openai import OpenAI
+  client = OpenAI(base_url="http://{host}:{port}/v1", api_key="unused")
+  r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+  print("reasoning:", r.choices[0].message.reasoning_content)
+  print("answer:   ", r.choices[0].message.content)
+  PY
+
+  harmony-gateway render request.json   # the exact Harmony prompt a saved request would send
+
+Press Ctrl+C to stop.
+"""
+
+
+async def _serve(settings: Settings, demo: bool) -> None:
+    # The serving stack loads only when serve runs, so --help and the other commands start fast.
+    import uvicorn  # lazy: serving stack
+
+    from ..api.http_protocol import raise_open_file_limit, server_options  # lazy: serving stack (uvicorn)
+    from ..app import create_app  # lazy: serving stack (FastAPI, pipeline, storage)
+    from ..traffic.drain import DrainingServer  # lazy: serving stack (uvicorn)
+
+    sim = None
+    if demo:
+        # lazy: the simulated engine loads only for --demo, not in every gateway
+        from ..sim import SimConfig, start_sim_engine
+
+        sim = await start_sim_engine(SimConfig(host="127.0.0.1", port=0, tokens_per_second=200.0))
+        settings = replace(settings, worker_urls=settings.worker_urls + (sim.url,))
+    app = create_app(settings)
+    raise_open_file_limit()
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+        log_config=None,
+        **server_options(settings),
+    )
+    server = DrainingServer(config)
+    if sim is not None:  # demo mode
+        print(
+            DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
+            flush=True,
+        )
+    try:
+        if settings.admin_port is None:
+            await server.serve()
+        else:
+            await _serve_with_admin_listener(server, app, settings)
+    finally:
+        if sim is not None:
+            await sim.stop()
+
+
+async def _serve_with_admin_listener(server: uvicorn.Server, app: FastAPI, settings: Settings) -> None:
+    # lazy: the admin routes import the HTTP app's modules (FastAPI); only --admin-port needs them
+    from ..api.admin import admin_server
+
+    assert settings.admin_port is not None
+    admin = admin_server(app, settings.admin_host, settings.admin_port, settings.log_level)
+    # The admin listener answers 503 until the main server's lifespan has built the app's state.
+    admin_task = asyncio.create_task(admin.serve())
+    try:
+        await server.serve()
+    finally:
+        admin.should_exit = True
+        await admin_task
+
+
+def _multiprocess_problem(settings: Settings, demo: bool) -> str | None:
+    if demo:
+        return "--demo runs in one process"
+    if settings.admin_port is not None:
+        return "the admin listener (--admin-port) runs in one process; use --admin-key instead"
+    url = settings.storage_url or ""
+    if url.startswith("memory:"):
+        # Each process would keep its own responses and conversations: a follow-up that lands on
+        # another process would not find them.
+        return "memory:// storage is per process; use sqlite:///PATH or postgresql://..."
+    return None
+
+
+def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
+    """uvicorn's supervisor: N spawned processes accept on one listening socket; each builds its app
+    from the same command line (`harmony_gateway.cli.app_from_env`)."""
+    # The serving stack loads only when serve runs, so --help and the other commands start fast.
+    import uvicorn  # lazy: serving stack
+
+    from ..api.http_protocol import raise_open_file_limit, server_options  # lazy: serving stack (uvicorn)
+    from ..traffic.drain import use_draining_processes  # lazy: serving stack (uvicorn)
+
+    os.environ[SERVE_ARGV_ENV] = json.dumps(argv)
+    raise_open_file_limit()  # the spawned processes inherit it
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # /metrics must add up every process's counters, whichever process answers the scrape.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="harmony-gateway-metrics-")
+    if settings.max_concurrent_requests:
+        # One admission cap for all processes: slots are byte-range locks on this file (traffic.admission).
+        # lazy: the app module pulls in the HTTP stack and prometheus_client, which must load after
+        # PROMETHEUS_MULTIPROC_DIR is set
+        from ..app import SHARED_SLOTS_ENV
+
+        os.environ[SHARED_SLOTS_ENV] = os.path.join(
+            tempfile.mkdtemp(prefix="harmony-gateway-admission-"), "slots"
+        )
+    use_draining_processes()
+    uvicorn.run(
+        "harmony_gateway.cli:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=workers,
+        log_level=settings.log_level,
+        access_log=False,
+        lifespan="on",
+        log_config=None,
+        **server_options(settings, processes=workers),
+    )
