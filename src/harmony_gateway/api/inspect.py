@@ -49,14 +49,10 @@ from ..pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ..pipeline.select_worker import routing_request
 from ..routing.fleet import ModelGroup
 from ..routing.policy import RoutingPolicy, RoutingRequest
-from ..surfaces.chat.mapper import prepare_chat
-from ..surfaces.chat.types import ChatCompletionRequest
-from ..surfaces.messages.mapper import prepare_messages, resolve_group
-from ..surfaces.messages.types import MessagesRequest
-from ..surfaces.responses.plan import prepare_responses, render_turn
-from ..surfaces.responses.types import ResponsesRequest
+from ..surfaces.table import SURFACES
 
-APIS = ("chat", "responses", "messages")
+#: The surfaces the inspector renders, by name (the surface table's rows that have an `inspect`).
+INSPECTABLE = {surface.name: surface for surface in SURFACES if surface.inspect is not None}
 #: Longer prompts are described (decoded, cut into tokens and messages) in a worker thread.
 LOOP_DESCRIBE_TOKENS = 4096
 #: A text to parse may hold this many characters per token of `Settings.max_parse_tokens`.
@@ -73,24 +69,13 @@ async def render_request(
 ) -> dict[str, Any]:
     """The prompt, sampling and routing the engine would get for `request` on surface `api`; `fleet`
     adds the worker choice and the pools' workers (admins only, see the module docstring)."""
-    if api not in APIS:
-        raise InvalidRequest(f"api must be one of {', '.join(APIS)}", param="api")
+    surface = INSPECTABLE.get(api) if isinstance(api, str) else None
+    if surface is None or surface.inspect is None:
+        raise InvalidRequest(f"api must be one of {', '.join(INSPECTABLE)}", param="api")
     if not isinstance(request, dict):
         raise InvalidRequest("request must be the JSON body of that API's request", param="request")
     notes: list[str] = []
-    if api == "chat":
-        chat = ChatCompletionRequest.model_validate(request)
-        group = state.fleet.group(chat.model)
-        if ctx.routing_key is None:
-            ctx.routing_key = chat.user  # as run_chat: consistent_hash keeps one user on one KV cache
-        prepared = await prepare_chat(state, chat, group, owner=ctx.owner)
-    elif api == "messages":
-        message_request = MessagesRequest.model_validate(request)
-        group = resolve_group(state, message_request.model)
-        prepared = (await prepare_messages(state, message_request, group, owner=ctx.owner)).prepared
-    else:
-        refuse_request_mcp_servers(request)
-        prepared = await _prepare_responses(state, ResponsesRequest.model_validate(request), ctx, notes)
+    prepared = await surface.inspect(state, request, ctx, notes)
     ctx.model = prepared.group.name
     body = describe(state, prepared, ctx, api, notes, fleet=fleet)
     views = functools.partial(prompt_views, state, prepared)
@@ -99,40 +84,6 @@ async def render_request(
     else:
         body.update(await anyio.to_thread.run_sync(views))
     return body
-
-
-def refuse_request_mcp_servers(request: dict[str, Any]) -> None:
-    """Raises InvalidRequest naming the first MCP tool that gives a `server_url`: the inspector does not
-    connect to servers a request names."""
-    tools = request.get("tools")
-    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
-        if isinstance(tool, dict) and tool.get("type") == "mcp" and tool.get("server_url") is not None:
-            raise InvalidRequest(
-                "the inspector does not connect to MCP servers named in a request; render without this "
-                "tool, or with a server configured on the gateway (server_label alone)",
-                param=f"request.tools[{index}].server_url",
-            )
-
-
-async def _prepare_responses(
-    state: GatewayState, request: ResponsesRequest, ctx: RequestContext, notes: list[str]
-) -> PreparedRequest:
-    """prepare_responses loads the chain or conversation as the key's owner (another key's response is
-    a 404) and lists MCP tools; the connections it opens are closed before returning."""
-    plan = await prepare_responses(state, request, ctx)
-    try:
-        if plan.chain_root == plan.response_id:
-            notes.append(
-                "a new stored response is routed by its own id, chosen when it is created: a policy that "
-                "uses the routing key (consistent_hash) may pick another worker than shown"
-            )
-        if plan.approvals:
-            # The real path runs approved MCP calls before rendering; the inspector runs no tools.
-            notes.append("approved MCP calls are not run by the inspector: their results render empty")
-            await render_turn(state, plan)
-        return plan.prepared
-    finally:
-        await plan.close_tools()
 
 
 def describe(

@@ -18,16 +18,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import HTMLResponse, Response
 
-from ..surfaces.chat.types import ChatCompletionRequest
-from ..surfaces.completions.types import CompletionRequest
-from ..surfaces.generate.types import GenerateRequest
-from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
+from ..surfaces.messages.types import CountTokensRequest
 from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
-    ResponsesRequest,
 )
+from ..surfaces.table import SURFACES
 from .admin import require_admin
 from .routes import gateway, json_response
 
@@ -61,14 +58,10 @@ class ParseRequest(BaseModel):
 
 
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
-    ("post", "/v1/chat/completions"): ChatCompletionRequest,
-    ("post", "/v1/completions"): CompletionRequest,
-    ("post", "/generate"): GenerateRequest,
-    ("post", "/v1/responses"): ResponsesRequest,
+    **{("post", surface.path): surface.request for surface in SURFACES},
     ("post", "/v1/conversations"): ConversationCreate,
     ("post", "/v1/conversations/{conversation_id}"): ConversationUpdate,
     ("post", "/v1/conversations/{conversation_id}/items"): ConversationItemsCreate,
-    ("post", "/v1/messages"): MessagesRequest,
     ("post", "/v1/messages/count_tokens"): CountTokensRequest,
     ("post", "/v1/harmony/render"): RenderRequest,
     ("post", "/v1/harmony/parse"): ParseRequest,
@@ -76,14 +69,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 }
 
 #: Routes answering with a stream when asked (`stream: true`).
-STREAMING = {
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/generate",
-    "/v1/responses",
-    "/v1/responses/{response_id}",
-    "/v1/messages",
-}
+STREAMING = {*(surface.path for surface in SURFACES), "/v1/responses/{response_id}"}
 #: Success statuses other than 200, and non-JSON success bodies.
 SUCCESS_STATUS = {("post", "/workers"): "201"}
 SUCCESS_MEDIA = {

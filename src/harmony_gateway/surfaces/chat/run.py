@@ -38,15 +38,30 @@ def _choices(state: GatewayState, prepared: PreparedRequest, include_reasoning: 
     return choices
 
 
-async def plan_chat(state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext) -> Planned:
-    """A chat request prepared (the mapper's Harmony turn, or the chat-template path) with its framer:
-    chunks as they form when streaming, else one `chat.completion` body."""
+async def prepare_chat_request(
+    state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext
+) -> PreparedRequest:
+    """The request's model group, routing hints and prepared prompt (what the inspector shows, too)."""
     group = state.fleet.group(request.model)
     ctx.model = group.name
     if ctx.routing_key is None:
         ctx.routing_key = request.user  # consistent_hash keeps one user's turns on one KV cache
     ctx.prompt_cache_key = prompt_cache_key_of(request)  # hook: prompt_cache_key routing
-    prepared = await prepare_chat(state, request, group, owner=ctx.owner)
+    return await prepare_chat(state, request, group, owner=ctx.owner)
+
+
+async def inspect_chat(
+    state: GatewayState, body: dict[str, Any], ctx: RequestContext, notes: list[str]
+) -> PreparedRequest:
+    """The inspector's view of a chat request: prepared as `plan_chat` prepares it, not dispatched."""
+    return await prepare_chat_request(state, ChatCompletionRequest.model_validate(body), ctx)
+
+
+async def plan_chat(state: GatewayState, request: ChatCompletionRequest, ctx: RequestContext) -> Planned:
+    """A chat request prepared (the mapper's Harmony turn, or the chat-template path) with its framer:
+    chunks as they form when streaming, else one `chat.completion` body."""
+    prepared = await prepare_chat_request(state, request, ctx)
+    group = prepared.group
     if prepared.harmony and is_text_group(group):
         attach_harmony_upstream(state, prepared, request)  # an HTTP upstream: Harmony as text
     ctx.prompt_tokens = len(prepared.input_ids)

@@ -8,13 +8,13 @@ from typing import Any
 
 from ...engines.base import EngineChunk
 from ...errors import InvalidRequest
-from ...pipeline.context import GatewayState, RequestContext
+from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ...pipeline.drive import Generation, Planned, open_generation
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
 from ..chat.upstream import is_text_group
 from .framer import MessagesFramer, anthropic_usage, stop_reason
-from .mapper import prepare_messages, resolve_group
+from .mapper import MessagesPlan, prepare_messages, resolve_group
 from .types import CountTokensRequest, MessagesRequest
 
 
@@ -32,12 +32,26 @@ async def count_message_tokens(
     return {"input_tokens": len(plan.prepared.input_ids)}
 
 
-async def plan_messages(state: GatewayState, request: MessagesRequest, ctx: RequestContext) -> Planned:
-    """A Messages request prepared with its framer: Anthropic's stream events, or one Message body."""
+async def prepare_message_request(
+    state: GatewayState, request: MessagesRequest, ctx: RequestContext
+) -> MessagesPlan:
     group = resolve_group(state, request.model)
     ctx.model = group.name
-    plan = await prepare_messages(state, request, group, owner=ctx.owner)
+    return await prepare_messages(state, request, group, owner=ctx.owner)
+
+
+async def inspect_messages(
+    state: GatewayState, body: dict[str, Any], ctx: RequestContext, notes: list[str]
+) -> PreparedRequest:
+    """The inspector's view of a Messages request: prepared as `plan_messages` prepares it."""
+    return (await prepare_message_request(state, MessagesRequest.model_validate(body), ctx)).prepared
+
+
+async def plan_messages(state: GatewayState, request: MessagesRequest, ctx: RequestContext) -> Planned:
+    """A Messages request prepared with its framer: Anthropic's stream events, or one Message body."""
+    plan = await prepare_message_request(state, request, ctx)
     prepared = plan.prepared
+    group = prepared.group
     ctx.prompt_tokens = len(prepared.input_ids)
     choice: ChoiceOutput | TextChoiceOutput
     if prepared.output_adapter is not None:  # other models, HTTP upstreams: text output

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ....pipeline.context import GatewayState, RequestContext
+from ....errors import InvalidRequest
+from ....pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ....pipeline.drive import Generation, Planned, open_generation
 from ..framer import ResponsesFramer, finish_response, persist
 from ..output import ResponseBuilder
-from ..plan import prepare_responses
+from ..plan import prepare_responses, render_turn
 from ..types import ResponsesRequest
 from .background import start_background
 from .turns import begin, turns
@@ -54,4 +55,39 @@ async def plan_responses(state: GatewayState, req: ResponsesRequest, ctx: Reques
     return Generation(open_turns, framer, body=body, close=plan.close_tools)
 
 
-__all__ = ["plan_responses"]
+def refuse_request_mcp_servers(request: dict[str, Any]) -> None:
+    """Raises InvalidRequest naming the first MCP tool that gives a `server_url`: the inspector does not
+    connect to servers a request names."""
+    tools = request.get("tools")
+    for index, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict) and tool.get("type") == "mcp" and tool.get("server_url") is not None:
+            raise InvalidRequest(
+                "the inspector does not connect to MCP servers named in a request; render without this "
+                "tool, or with a server configured on the gateway (server_label alone)",
+                param=f"request.tools[{index}].server_url",
+            )
+
+
+async def inspect_responses(
+    state: GatewayState, body: dict[str, Any], ctx: RequestContext, notes: list[str]
+) -> PreparedRequest:
+    """prepare_responses loads the chain or conversation as the key's owner (another key's response is
+    a 404) and lists MCP tools; the connections it opens are closed before returning."""
+    refuse_request_mcp_servers(body)
+    plan = await prepare_responses(state, ResponsesRequest.model_validate(body), ctx)
+    try:
+        if plan.chain_root == plan.response_id:
+            notes.append(
+                "a new stored response is routed by its own id, chosen when it is created: a policy that "
+                "uses the routing key (consistent_hash) may pick another worker than shown"
+            )
+        if plan.approvals:
+            # The real path runs approved MCP calls before rendering; the inspector runs no tools.
+            notes.append("approved MCP calls are not run by the inspector: their results render empty")
+            await render_turn(state, plan)
+        return plan.prepared
+    finally:
+        await plan.close_tools()
+
+
+__all__ = ["inspect_responses", "plan_responses"]
