@@ -36,6 +36,24 @@ async def test_a_failing_task_is_logged_with_its_name(caplog: pytest.LogCaptureF
     await supervisor.aclose()
 
 
+async def test_an_awaited_task_leaves_its_failure_to_whoever_awaits_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    supervisor = TaskSupervisor()
+
+    async def fail() -> None:
+        raise LookupError("no such file")
+
+    task = supervisor.spawn(fail(), name="shared-load", awaited=True)
+    with pytest.raises(LookupError):
+        await task
+    await asyncio.sleep(0)
+    assert not [
+        r for r in caplog.records if r.name == "harmony_gateway.tasks" and r.levelno >= logging.WARNING
+    ]
+    await supervisor.aclose()
+
+
 async def test_a_cancelled_task_is_not_reported_as_a_failure(caplog: pytest.LogCaptureFixture) -> None:
     supervisor = TaskSupervisor()
     task = supervisor.spawn(asyncio.Event().wait(), name="waiting")

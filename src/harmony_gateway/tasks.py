@@ -30,8 +30,9 @@ class SupervisorClosed(RuntimeError):
 class TaskSupervisor:
     """Spawns tasks and ends them all on `aclose()`. One per app, closed by its lifespan.
 
-    A task's exception is logged here when it ends; whoever awaits the task still gets it. A
-    cancelled task is not a failure. Tasks spawned while `aclose()` runs (by a closing task's
+    A task's exception is logged here when it ends, unless it was spawned `awaited` (its callers
+    await it and handle the exception); whoever awaits a task still gets its exception. A cancelled
+    task is not a failure. Tasks spawned while `aclose()` runs (by a closing task's
     clean-up) are cancelled and awaited too; after it, `spawn` raises `SupervisorClosed`."""
 
     def __init__(self, *, close_timeout: float = CLOSE_TIMEOUT) -> None:
@@ -44,14 +45,16 @@ class TaskSupervisor:
         """Tasks spawned here that have not ended yet."""
         return len(self._tasks)
 
-    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str) -> asyncio.Task[T]:
-        """Run `coro` as a task named `name` (the name is in the failure log line)."""
+    def spawn(self, coro: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
+        """Run `coro` as a task named `name` (the name is in the failure log line). `awaited`: the
+        task's result is awaited by the code that uses it, which handles its exception, so a failure
+        is not logged here (a shared load that requests wait for)."""
         if self._closed:
             coro.close()  # never started: not reported as a coroutine never awaited
             raise SupervisorClosed(f"cannot start {name!r}: the gateway's tasks were shut down")
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._ended)
+        task.add_done_callback(self._ended_awaited if awaited else self._ended)
         return task
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
@@ -61,6 +64,12 @@ class TaskSupervisor:
         exc = task.exception()
         if exc is not None:
             log.error("task %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+    def _ended_awaited(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Retrieved here too: when every waiter left first, nobody else reads it.
+            log.debug("task %s failed: %s", task.get_name(), task.exception())
 
     async def aclose(self) -> None:
         """Cancel every task and wait until each has ended, up to `close_timeout` seconds in all
