@@ -976,11 +976,12 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
             message = (body.get("error") or {}).get("message") or response.text
             raise RenderFailed(f"{response.status_code}: {message}")
         return body
+    from .app import build_state
     from .pipeline.inspect import render_offline
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
     try:
-        return await render_offline(settings, payload)
+        return await render_offline(build_state(settings), payload)
     except (GatewayError, ValidationError, BaseExceptionGroup) as exc:
         raise RenderFailed(_render_error(exc)) from None
 

@@ -55,7 +55,9 @@ async def run_chat(
     if prepared.output_adapter is not None:
         ctx.text_stats = text_parser_stats(choices)  # read once, at the end, for metrics
     elif prepared.harmony:
-        ctx.parsers = [choice.parser for choice in choices]  # read once, at the end, for metrics
+        ctx.parsers = [
+            c.parser for c in choices if isinstance(c, ChoiceOutput)
+        ]  # read once, at the end, for metrics
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
     # 2) select, 3) build, 4) dispatch: the first chunk arrives before any response byte is sent
