@@ -998,7 +998,7 @@ def _render_error(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         exc = validation_error_to_invalid(exc)
     if isinstance(exc, GatewayError):
-        where = f" ({exc.param})" if getattr(exc, "param", None) else ""
+        where = f" ({exc.param})" if exc.param else ""
         return f"{exc.message}{where}"
     return f"{type(exc).__name__}: {exc}"
 

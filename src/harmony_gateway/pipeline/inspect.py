@@ -176,8 +176,8 @@ def describe(
 
 def _constraint(prepared: PreparedRequest) -> dict[str, Any] | None:
     s = prepared.sampling
-    for kind in ("structural_tag", "json_schema", "regex"):
-        value = getattr(s, kind)
+    constraints = (("structural_tag", s.structural_tag), ("json_schema", s.json_schema), ("regex", s.regex))
+    for kind, value in constraints:
         if value:
             return {"type": kind, "value": value}
     return None
@@ -241,7 +241,7 @@ def prompt_views(state: GatewayState, prepared: PreparedRequest) -> dict[str, An
     # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by the
     # prepare stage); there are no Harmony messages to list.
     tokenizer = state.tokenizers.get(prepared.group.name)
-    token_text = getattr(tokenizer, "token_text", None)
+    token_text = tokenizer.token_text if tokenizer is not None else None
     return {
         "prompt_text": prepared.original_text,
         "tokens": [[i, token_text(i) if token_text is not None else None] for i in ids],
@@ -464,18 +464,15 @@ def _parse_stripped(text: str) -> dict[str, Any]:
         elif isinstance(event, Terminated):
             terminated = event.reason
     stats = parser.stats
-    recoveries = [
-        {"kind": name, "count": getattr(stats, name)}
-        for name in (
-            "parse_errors",
-            "marker_fallbacks",
-            "passthrough_fallbacks",
-            "unknown_channels",
-            "unexpected_order",
-            "trailing_ignored_chars",
-        )
-        if getattr(stats, name)
-    ]
+    counts = {
+        "parse_errors": stats.parse_errors,
+        "marker_fallbacks": stats.marker_fallbacks,
+        "passthrough_fallbacks": stats.passthrough_fallbacks,
+        "unknown_channels": stats.unknown_channels,
+        "unexpected_order": stats.unexpected_order,
+        "trailing_ignored_chars": stats.trailing_ignored_chars,
+    }
+    recoveries = [{"kind": name, "count": count} for name, count in counts.items() if count]
     return {
         "object": "harmony.parse",
         "source": "text",

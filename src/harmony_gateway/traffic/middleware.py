@@ -345,7 +345,7 @@ async def _send_error(
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
-    retry_after = getattr(exc, "retry_after", None)
+    retry_after = exc.retry_after
     if retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
         headers.append((b"retry-after-ms", str(int(retry_after * 1000)).encode()))
