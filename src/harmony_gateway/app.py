@@ -2,6 +2,10 @@
 
 Start-up order: load the Harmony encoding (fail fast, naming TIKTOKEN_ENCODINGS_BASE), open storage,
 register and probe workers, then run the health checker in the lifespan task group until shutdown.
+The app's loops (health, worker watch, storage purge, stream tuning, shared admission) run in that task
+group; every task that outlives the code that started it (background responses, token charges,
+tokenizer loads) is spawned on the app's `TaskSupervisor`, which the lifespan closes last, so nothing
+the app started runs on after it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
 from .surfaces.responses.service.runner import BackgroundRunner, default_runner_id, fail_interrupted
+from .tasks import TaskSupervisor
 from .traffic import drain
 from .traffic.middleware import GENERATING_PATHS, TrafficControl, TrafficMetrics, TrafficMiddleware
 
@@ -66,7 +71,9 @@ def _release_freed_memory() -> None:
         pass  # not glibc: nothing to hand back this way
 
 
-def build_state(settings: Settings) -> GatewayState:
+def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> GatewayState:
+    """The gateway's object graph, nothing started yet: the app lifespan starts the store, enters the
+    MCP pool and closes `tasks` (a new supervisor when not given) at shutdown."""
     encoding = get_encoding()
 
     def policy_for(model: str, role: str) -> object:
@@ -95,13 +102,25 @@ def build_state(settings: Settings) -> GatewayState:
         breaker_failure_threshold=settings.breaker_failure_threshold,
         breaker_cooldown=settings.breaker_cooldown,
     )
+    store = open_store(
+        settings.storage_url or default_storage_url(),
+        schema=settings.storage_schema,
+        retention_seconds=settings.storage_retention,
+    )
+    if settings.otlp_endpoint:
+        store = tracing.TracedStore(store)
+    tasks = tasks or TaskSupervisor()
     return GatewayState(
         settings=settings,
         fleet=fleet,
         encoding=encoding,
         renderer=PromptRenderer(encoding),
-        health_config=health,
+        store=store,
+        mcp=open_mcp_pool(settings),
         metrics=GatewayMetrics(fleet.all_workers),
+        health_config=health,
+        background=BackgroundRunner(default_runner_id(settings.port), tasks),
+        tasks=tasks,
     )
 
 
@@ -147,25 +166,22 @@ async def _watch_workers(state: GatewayState, checker: HealthChecker) -> None:
                 await state.fleet.probe(worker)
 
 
-def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI:
+def create_app(settings: Settings) -> FastAPI:
+    """The gateway's ASGI app; its lifespan (run once) builds the object graph, serves, and ends every
+    task it started."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw = state or build_state(settings)
+        gw = build_state(settings, tasks=tasks)
         app.state.gateway = gw
-        storage_url = settings.storage_url or default_storage_url()
-        gw.store = open_store(
-            storage_url, schema=settings.storage_schema, retention_seconds=settings.storage_retention
-        )
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
-            gw.store = tracing.TracedStore(gw.store)
-        if gw.metrics is not None:
-            control.attach_metrics(TrafficMetrics(gw.metrics.registry))
-        gw.background = BackgroundRunner(default_runner_id(settings.port))
+        control.attach_metrics(TrafficMetrics(gw.metrics.registry))
         control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
             await gw.store.start()
+            storage_url = settings.storage_url or default_storage_url()
             log.info("storing responses in %s", storage_url.split("@")[-1])
             await fail_interrupted(gw.store, gw.background.runner_id)
             if not settings.api_keys:
@@ -188,11 +204,11 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                     checker,
                     lambda url, kind, engine, worker_id: add_worker(gw, url, kind, engine, worker_id),
                     default_runner_id(settings.port),
-                    after_sync=gw.metrics.refresh_fleet if gw.metrics is not None else None,
+                    after_sync=gw.metrics.refresh_fleet,
                 )
                 await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
-            async with open_mcp_pool(settings) as gw.mcp, anyio.create_task_group() as tg:
+            async with gw.mcp, anyio.create_task_group() as tg:
                 if gw.fleet.shared is not None:
                     tg.start_soon(gw.fleet.shared.run)
                     tg.start_soon(gw.fleet.shared.run_health)
@@ -203,6 +219,7 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 tg.start_soon(_watch_workers, gw, checker)
                 # Also without retention: expiring gateway values (restorable reasoning) are purged here.
                 tg.start_soon(_purge_expired, gw)
+                tg.start_soon(control.run)
                 try:
                     yield
                 finally:
@@ -212,6 +229,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
                 tg.cancel_scope.cancel()
         finally:
             await gw.background.shutdown()
+            # Before what the tasks use (engines, storage, the rate-limit store) closes.
+            await tasks.aclose()
             if gw.fleet.shared is not None:
                 await gw.fleet.shared.close()
             await gw.fleet.close()
@@ -230,7 +249,8 @@ def create_app(settings: Settings, state: GatewayState | None = None) -> FastAPI
         openapi_url=None,
         redirect_slashes=False,
     )
-    control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV))
+    tasks = TaskSupervisor()
+    control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV), tasks=tasks)
     drain.current_control = control
     app.state.traffic = control
     # Innermost: the generating routes without FastAPI's per-request routing work (api/direct_routes.py).

@@ -35,6 +35,8 @@ class GatewayError(Exception):
     status_code: int = 500
     error_type: str = "server_error"
     code: str | None = None
+    #: Seconds after which a retry may succeed (sent as `retry-after`); None when the error does not say.
+    retry_after: float | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)

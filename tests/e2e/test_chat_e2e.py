@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Any
+from unittest import mock
 
 import httpx
 import openai
@@ -336,6 +338,19 @@ async def test_request_id_is_honoured_and_echoed(client: openai.AsyncOpenAI, sim
     assert any(client_request_id(req.request_id) == request_id for req in sim.requests)
     generated = await client.chat.completions.with_raw_response.create(model=MODEL, messages=user("Hi"))
     assert generated.headers["x-request-id"]
+
+
+async def test_models_are_created_when_the_gateway_started(gateway: RunningGateway) -> None:
+    """`created` is the gateway's start time: the same on every call, never the time of the call."""
+    asked_at = time.time()
+    later = asked_at + 3600.0
+    async with httpx.AsyncClient(base_url=gateway.url) as http:
+        with mock.patch("time.time", return_value=later):  # the gateway's clock: an hour on
+            first = (await http.get("/v1/models")).json()["data"][0]["created"]
+            second = (await http.get("/v1/models")).json()["data"][0]["created"]
+            retrieved = (await http.get(f"/v1/models/{MODEL}")).json()["created"]
+    assert first == second == retrieved
+    assert first <= asked_at
 
 
 async def test_models_health_and_readiness(client: openai.AsyncOpenAI, gateway: RunningGateway) -> None:

@@ -127,8 +127,8 @@ def describe(
 
 def _constraint(prepared: PreparedRequest) -> dict[str, Any] | None:
     s = prepared.sampling
-    for kind in ("structural_tag", "json_schema", "regex"):
-        value = getattr(s, kind)
+    constraints = (("structural_tag", s.structural_tag), ("json_schema", s.json_schema), ("regex", s.regex))
+    for kind, value in constraints:
         if value:
             return {"type": kind, "value": value}
     return None
@@ -192,7 +192,7 @@ def prompt_views(state: GatewayState, prepared: PreparedRequest) -> dict[str, An
     # A chat-template model: the template's text, tokenized by the model's own tokenizer (loaded by the
     # prepare stage); there are no Harmony messages to list.
     tokenizer = state.tokenizers.get(prepared.group.name)
-    token_text = getattr(tokenizer, "token_text", None)
+    token_text = tokenizer.token_text if tokenizer is not None else None
     return {
         "prompt_text": prepared.original_text,
         "tokens": [[i, token_text(i) if token_text is not None else None] for i in ids],
@@ -415,18 +415,15 @@ def _parse_stripped(text: str) -> dict[str, Any]:
         elif isinstance(event, Terminated):
             terminated = event.reason
     stats = parser.stats
-    recoveries = [
-        {"kind": name, "count": getattr(stats, name)}
-        for name in (
-            "parse_errors",
-            "marker_fallbacks",
-            "passthrough_fallbacks",
-            "unknown_channels",
-            "unexpected_order",
-            "trailing_ignored_chars",
-        )
-        if getattr(stats, name)
-    ]
+    counts = {
+        "parse_errors": stats.parse_errors,
+        "marker_fallbacks": stats.marker_fallbacks,
+        "passthrough_fallbacks": stats.passthrough_fallbacks,
+        "unknown_channels": stats.unknown_channels,
+        "unexpected_order": stats.unexpected_order,
+        "trailing_ignored_chars": stats.trailing_ignored_chars,
+    }
+    recoveries = [{"kind": name, "count": count} for name, count in counts.items() if count]
     return {
         "object": "harmony.parse",
         "source": "text",
@@ -438,15 +435,13 @@ def _parse_stripped(text: str) -> dict[str, Any]:
 
 
 # -- offline (the `render` command) --------------------------------------------------------------------
-async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
-    """`render_request` without a running gateway or engine: the request's model is taken as a Harmony
-    model with no workers (routing names none) and an unknown context length; stored responses and
-    conversations are not available. MCP tools naming a `server_url` are refused, as by the route."""
-    from ..app import build_state
+async def render_offline(state: GatewayState, payload: Any) -> dict[str, Any]:
+    """`render_request` without a running gateway or engine, on a `state` not started (the `render`
+    command builds it with in-memory storage): the request's model is taken as a Harmony model with no
+    workers (routing names none) and an unknown context length; stored responses and conversations are
+    not available. MCP tools naming a `server_url` are refused, as by the route."""
     from ..engines.base import ModelInfo
-    from ..mcp.pool import open_mcp_pool
     from ..routing.registry import create_policy
-    from ..storage import open_store
 
     if not isinstance(payload, dict):
         raise InvalidRequest('the file must hold a JSON object: {"api": ..., "request": {...}}')
@@ -454,7 +449,7 @@ async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
     model = request.get("model") if isinstance(request, dict) else None
     if not isinstance(model, str) or not model:
         raise InvalidRequest("the request must name its model", param="request.model")
-    state = build_state(settings)
+    settings = state.settings
     policy = settings.model_policies.get(model, settings.policy)
     state.fleet.groups[model] = ModelGroup(
         name=model,
@@ -464,14 +459,14 @@ async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
         prefill_policy=None,
         decode_policy=None,
     )
-    state.store = open_store("memory://")
     await state.store.start()
     try:
-        async with open_mcp_pool(settings) as state.mcp:
+        async with state.mcp:
             ctx = RequestContext(request_id="render", route="harmony_render")
             # The operator at a terminal is the admin; offline there are no workers to show anyway.
             result = await render_request(state, payload.get("api"), request, ctx, fleet=True)
     finally:
+        await state.tasks.aclose()
         await state.store.close()
     result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")
     return result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -246,7 +245,7 @@ async def chat_completions(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     state = gateway(request)
     owner_of(state, request)
-    created = int(state.fleet.started_at) if hasattr(state.fleet, "started_at") else int(time.time())
+    created = int(state.fleet.started_at)
     data = [
         {"id": group.name, "object": "model", "created": created, "owned_by": "harmony-gateway"}
         for group in state.fleet.groups.values()
@@ -259,8 +258,9 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     state = gateway(request)
     owner_of(state, request)
     group = state.fleet.group(model_id)
+    created = int(state.fleet.started_at)
     return json_response(
-        {"id": group.name, "object": "model", "created": int(time.time()), "owned_by": "harmony-gateway"}
+        {"id": group.name, "object": "model", "created": created, "owned_by": "harmony-gateway"}
     )
 
 

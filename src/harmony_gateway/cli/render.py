@@ -68,10 +68,11 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
         return await _render_remotely(args.gateway, args.api_key, payload)
     # lazy: offline rendering builds the request pipeline (FastAPI schemas, storage, MCP)
     from ..api.inspect import render_offline
+    from ..app import build_state
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
     try:
-        return await render_offline(settings, payload)
+        return await render_offline(build_state(settings), payload)
     except (GatewayError, ValidationError, BaseExceptionGroup) as exc:
         raise RenderFailed(_render_error(exc)) from None
 
@@ -108,7 +109,7 @@ def _render_error(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         exc = validation_error_to_invalid(exc)
     if isinstance(exc, GatewayError):
-        where = f" ({exc.param})" if getattr(exc, "param", None) else ""
+        where = f" ({exc.param})" if exc.param else ""
         return f"{exc.message}{where}"
     return f"{type(exc).__name__}: {exc}"
 

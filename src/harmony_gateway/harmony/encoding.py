@@ -336,8 +336,13 @@ MAX_HEADER_FIELD_CHARS = 256
 
 def check_header_fields(msg: Msg) -> None:
     """Raises InvalidRequest when a header field of `msg` (a tool call's name, say) is over-long."""
-    for field in ("recipient", "name", "channel", "content_type"):
-        value = getattr(msg, field)
+    fields = (
+        ("recipient", msg.recipient),
+        ("name", msg.name),
+        ("channel", msg.channel),
+        ("content_type", msg.content_type),
+    )
+    for field, value in fields:
         if value is not None and len(value) > MAX_HEADER_FIELD_CHARS:
             raise InvalidRequest(
                 f"a {msg.role} message's {field.replace('_', ' ')} (a tool call's name, say) holds "

@@ -18,7 +18,7 @@ import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequest
 from ..harmony.messages import FunctionTool, ToolNamespace
@@ -27,6 +27,9 @@ from .approval import ApprovalIds, approval_request_item, needs_approval, valida
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed
 from .config import ServerConfig
 from .security import check_server_url
+
+if TYPE_CHECKING:
+    from ..observability.metrics import GatewayMetrics
 
 #: Request tool types served here; function tools stay with the pipeline.
 GATEWAY_TOOL_TYPES = frozenset({"mcp", "web_search", "web_search_preview", "code_interpreter"})
@@ -240,7 +243,7 @@ class ToolLoop:
         tool_timeout: float,
         max_output_chars: int,
         approval_ids: ApprovalIds,
-        metrics: Any = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.pool = pool
         self.max_calls = max_calls
@@ -383,7 +386,7 @@ class ToolLoop:
 
     def _record(self, label: str, tool: str, outcome: str, elapsed: float | None) -> None:
         metrics = self.metrics
-        if metrics is None or not hasattr(metrics, "mcp_tool_calls"):
+        if metrics is None:
             return
         metrics.mcp_tool_calls.labels(label, tool, outcome).inc()
         if elapsed is not None:
@@ -403,7 +406,7 @@ async def open_tool_loop(
     listed: dict[str, list[McpTool]],
     new_id: Any,
     approval_ids: ApprovalIds,
-    metrics: Any = None,
+    metrics: GatewayMetrics | None = None,
 ) -> ToolLoop:
     """Connect and list every server the request uses; raises InvalidRequest (bad or refused tools) or
     McpServerUnavailable (a server that cannot be reached), closing what was opened."""

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -37,6 +37,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from .logging import log_request
 
 if TYPE_CHECKING:
+    from ..harmony.text_parser import ParserStats
+    from ..harmony.token_parser import HarmonyOutputParser
     from ..pipeline.context import RequestContext
     from ..routing.workers import Worker
 
@@ -243,7 +245,7 @@ class GatewayMetrics:
         if ctx.text_stats:
             self.observe_text_stats(ctx.text_stats)
 
-    def observe_harmony(self, parsers: Sequence[Any]) -> None:
+    def observe_harmony(self, parsers: Sequence[HarmonyOutputParser]) -> None:
         """Record one Harmony request from its output parsers (choices, or tool-loop iterations).
 
         Also called directly for work that outlives its request (background responses)."""
@@ -256,13 +258,12 @@ class GatewayMetrics:
         if errors:
             self.harmony_parsing_errors.inc(errors)
         for parser in parsers:
-            for kind, count in getattr(parser, "recoveries", {}).items():
+            for kind, count in parser.recoveries.items():
                 self.harmony_channel_parse_errors.labels(kind).inc(count)
-            unexpected = getattr(parser, "unexpected_order", 0)
-            if unexpected:
-                self.harmony_channel_unexpected_order.inc(unexpected)
+            if parser.unexpected_order:
+                self.harmony_channel_unexpected_order.inc(parser.unexpected_order)
 
-    def observe_text_stats(self, stats: Iterable[Any]) -> None:
+    def observe_text_stats(self, stats: Iterable[ParserStats]) -> None:
         """Record the `ParserStats` of one request's text-level output parsers."""
         for st in stats:
             for channel, count in st.channel_messages.items():
@@ -361,7 +362,7 @@ def reap_dead_processes(directory: str) -> None:
             pass  # alive, another user's
 
 
-def channel_counts(parsers: Iterable[Any]) -> dict[str, int]:
+def channel_counts(parsers: Iterable[HarmonyOutputParser]) -> dict[str, int]:
     """Messages per Harmony channel over the parsers' output ("none" for a message without a channel)."""
     counts: dict[str, int] = {}
     for parser in parsers:

@@ -3,12 +3,13 @@ prepared request that the prepare stage hands to select, build and dispatch."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -22,26 +23,87 @@ if TYPE_CHECKING:
 
     from ..harmony.encoding import PromptRenderer
     from ..harmony.messages import Msg, PromptPrefix
+    from ..harmony.text_parser import ParserStats
+    from ..harmony.token_parser import HarmonyOutputParser
+    from ..mcp.pool import McpPool
+    from ..observability.metrics import GatewayMetrics
     from ..routing.fleet import Fleet, ModelGroup
+    from ..routing.health import HealthConfig
     from ..routing.workers import Worker
     from ..storage.base import Store
-    from ..surfaces.responses.service.runner import BackgroundRunner
+    from ..tasks import TaskSupervisor
+    from .tokenizer import ModelTokenizer
+
+
+class LiveEvents(Protocol):
+    """The live event feed of a background response running in this process (`EventFeed` of the
+    Responses service): what a reader resuming its stream follows."""
+
+    def follow(self, after: int, *, idle_timeout: float) -> AsyncIterator[tuple[int, bytes]]:
+        """Frames of the events after sequence number `after`, live, until the terminal event."""
+        ...
+
+
+class BackgroundResponses(Protocol):
+    """The runner of background responses (`BackgroundRunner` of the Responses service, a layer above
+    the pipeline, which therefore knows it by this protocol only)."""
+
+    @property
+    def runner_id(self) -> str:
+        """`host:port:pid` of this process, stored with each response it runs."""
+        ...
+
+    @property
+    def active(self) -> int:
+        """Background responses running in this process (the drain waits for them)."""
+        ...
+
+    def start(
+        self,
+        response_id: str,
+        work: Coroutine[Any, Any, None],
+        feed: LiveEvents | None = None,
+        store: Store | None = None,
+    ) -> None:
+        """Run `work` as the response's task, its `feed` reachable by id until the task ends."""
+        ...
+
+    def feed(self, response_id: str) -> LiveEvents | None:
+        """The live feed of a response running in this process, or None."""
+        ...
+
+    def running(self, response_id: str) -> bool: ...
+
+    async def cancel(self, response_id: str) -> bool:
+        """Cancel the response's task when it runs here and wait for it; False when it does not."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Cancel every running response and wait for them (bounded)."""
+        ...
 
 
 @dataclass(eq=False)
 class GatewayState:
-    """The object graph built once in the app lifespan; pipeline stages read it, never rebuild it."""
+    """The object graph built once in the app lifespan (`app.build_state`); pipeline stages read it,
+    never rebuild it. The lifespan starts `store` and enters `mcp` before any request, and closes
+    `tasks` last."""
 
     settings: Settings
     fleet: Fleet
     encoding: HarmonyEncoding
     renderer: PromptRenderer
-    store: Store = None  # type: ignore[assignment]  # set in the app lifespan before any request
-    mcp: Any = None
-    metrics: Any = None
-    tokenizers: dict[str, Any] = field(default_factory=dict)
-    background: BackgroundRunner = None  # type: ignore[assignment]  # as `store`
-    health_config: Any = None
+    store: Store
+    mcp: McpPool
+    metrics: GatewayMetrics
+    health_config: HealthConfig
+    background: BackgroundResponses
+    #: The owner of every task that outlives its request; the lifespan's shutdown ends them.
+    tasks: TaskSupervisor
+    #: Tokenizers of non-Harmony models, by model, as loaded (pipeline/tokenizer.py).
+    tokenizers: dict[str, ModelTokenizer] = field(default_factory=dict)
+    #: The loads under way, by model: concurrent first requests of a model share one.
+    tokenizer_loads: dict[str, asyncio.Task[ModelTokenizer]] = field(default_factory=dict)
     #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
 
@@ -97,14 +159,14 @@ class RequestContext:
     #: Closers of what the request opened (engine streams, tool connections); the HTTP response runs
     #: them on every exit, including a client that leaves before the first byte of a stream.
     cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    #: `GatewayMetrics` of the app (None: no metrics); `observability.metrics.finish_request` records.
-    metrics: Any = None
+    #: The app's metrics (None: no metrics); `observability.metrics.finish_request` records.
+    metrics: GatewayMetrics | None = None
     #: The Harmony output parsers of the request's choices, read once at the end for the Harmony
     #: counters (messages per channel, parse errors); empty for non-Harmony models.
-    parsers: list[Any] = field(default_factory=list)
+    parsers: list[HarmonyOutputParser] = field(default_factory=list)
     #: `ParserStats` of text-level output parsers (HTTP upstreams, non-Harmony models), read once at
     #: the end for the channel-parser metrics.
-    text_stats: list[Any] = field(default_factory=list)
+    text_stats: list[ParserStats] = field(default_factory=list)
     #: Set by `finish_request`, so a request is recorded and logged once.
     finished: bool = False
     #: The terminal event of this request's stream when it fails after the first byte, in its wire's

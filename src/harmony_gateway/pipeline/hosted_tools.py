@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import InvalidRequest
+from ..mcp.pool import McpPool
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,10 @@ UNBACKED_MODES = ("drop", "reject")
 _logged: set[str] = set()
 
 
-def backed_builtins(mcp: Any) -> frozenset[str]:
+def backed_builtins(mcp: McpPool) -> frozenset[str]:
     """The built-ins (`browser`, `python`) the gateway's MCP configuration backs."""
-    config = getattr(mcp, "config", None)
-    return frozenset(name for name in ("browser", "python") if getattr(config, name, None))
+    servers = {"browser": mcp.config.browser, "python": mcp.config.python}
+    return frozenset(name for name, server in servers.items() if server)
 
 
 #: Stands in for a dropped tool, so every later `tools[i]` error param still names the client's index.

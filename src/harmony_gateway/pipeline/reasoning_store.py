@@ -38,13 +38,17 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import InvalidRequest
 from ..harmony import token_parser as tp
+
+if TYPE_CHECKING:
+    from .parse_output import ChoiceOutput
+    from .text_output import TextChoiceOutput
 
 log = logging.getLogger(__name__)
 
@@ -166,15 +170,16 @@ async def _gateway_key(state: Any) -> bytes:
     return base64.b64decode(stored["key"])
 
 
-def turn_remembering(state: Any, owner: str) -> Callable[[Any], Awaitable[None]]:
+def turn_remembering(state: Any, owner: str) -> Callable[[ChoiceOutput | TextChoiceOutput], Awaitable[None]]:
     """The `PreparedRequest.after_turn` hook of Chat and Messages requests: once a choice has finished,
     keep the analysis of a turn that called tools under tenant `owner` and the call ids it issued.
     Storage trouble is logged, never fails the response."""
 
-    async def remember_turn(choice: Any) -> None:
-        messages = getattr(getattr(choice, "parser", None), "messages", None)
-        if not messages:
+    async def remember_turn(choice: ChoiceOutput | TextChoiceOutput) -> None:
+        parser = choice.parser
+        if not isinstance(parser, tp.HarmonyOutputParser) or not parser.messages:
             return  # text output (HTTP upstreams, other models): no issued call ids
+        messages = parser.messages
         calls = [m.call_id for m in messages if m.kind == tp.FUNCTION_CALL and m.call_id]
         analysis = "\n".join(
             m.text for m in messages if m.kind == tp.REASONING and not m.recipient and m.text

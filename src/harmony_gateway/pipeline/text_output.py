@@ -344,7 +344,7 @@ class TextChoiceOutput:
 
 def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
     """The parser counters of text choices, for the end-of-request metrics."""
-    return [c.stats for c in choices if getattr(c, "stats", None) is not None]
+    return [c.stats for c in choices if isinstance(c, TextChoiceOutput) and c.stats is not None]
 
 
 __all__ = [

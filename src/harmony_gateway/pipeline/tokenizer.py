@@ -39,6 +39,8 @@ from .context import GatewayState
 if TYPE_CHECKING:
     from tokenizers import AddedToken, Tokenizer
 
+    from ..routing.fleet import ModelGroup
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
 #: Put inside each control token's text found in request text, so the rendered prompt holds it broken
@@ -302,13 +304,13 @@ def load_zip(data: bytes, source: str) -> ModelTokenizer:
     return tokenizer_from_files(files, source)
 
 
-async def _load(state: GatewayState, group: Any) -> ModelTokenizer:
+async def _load(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
     name = group.name
     folder = state.settings.tokenizer_paths.get(name)
     if folder:
         return await anyio.to_thread.run_sync(load_folder, folder)
-    reported = getattr(group.info, "tokenizer_path", "")
-    if reported and await anyio.to_thread.run_sync(os.path.isdir, reported):
+    reported = group.info.tokenizer_path
+    if reported != "" and await anyio.to_thread.run_sync(os.path.isdir, reported):
         return await anyio.to_thread.run_sync(load_folder, reported)
     errors = []
     for worker in group.workers:
@@ -327,22 +329,28 @@ async def _load(state: GatewayState, group: Any) -> ModelTokenizer:
     )
 
 
-async def model_tokenizer(state: GatewayState, group: Any) -> ModelTokenizer:
+async def _load_and_keep(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
+    try:
+        tokenizer = state.tokenizers[group.name] = await _load(state, group)
+        return tokenizer
+    finally:
+        del state.tokenizer_loads[group.name]  # a failure is not kept: the next request tries again
+
+
+async def model_tokenizer(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
     """The model's tokenizer, loaded on first use (see the module docstring)."""
     cached = state.tokenizers.get(group.name)
-    if isinstance(cached, ModelTokenizer):
+    if cached is not None:
         return cached
-    if cached is None:
-        cached = asyncio.ensure_future(_load(state, group))
-        state.tokenizers[group.name] = cached
-    try:
-        result: ModelTokenizer = await asyncio.shield(cached)
-    except BaseException:
-        if cached.done() and state.tokenizers.get(group.name) is cached:
-            del state.tokenizers[group.name]  # retry on the next request
-        raise
-    state.tokenizers[group.name] = result
-    return result
+    loading = state.tokenizer_loads.get(group.name)
+    if loading is None:
+        # A task of the app's: concurrent first requests share it, and it is finished (and kept)
+        # even when they have all left.
+        loading = state.tasks.spawn(
+            _load_and_keep(state, group), name=f"tokenizer-{group.name}", awaited=True
+        )
+        state.tokenizer_loads[group.name] = loading
+    return await asyncio.shield(loading)
 
 
 __all__ = [

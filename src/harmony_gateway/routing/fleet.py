@@ -8,6 +8,7 @@ health checker, so the gateway can start before its engines.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,8 @@ class Fleet:
         self._harmony_models = harmony_models
         self._connect_timeout = connect_timeout
         self._health_timeout = health_timeout
+        #: When the gateway built its fleet: the `created` of every model it serves (`/v1/models`).
+        self.started_at = time.time()
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
         self.on_worker_removed: list[Callable[[Worker], None]] = []

@@ -109,7 +109,8 @@ class Admission:
         self._free_local = limit
         self._waiters: list[_Waiter] = []
         self._seq = itertools.count()
-        self._poller: asyncio.Task[None] | None = None
+        #: Set while anyone waits, for `poll_shared`.
+        self._queued = asyncio.Event()
 
     @property
     def queued(self) -> int:
@@ -185,8 +186,7 @@ class Admission:
         waiter = _Waiter(next(self._seq), priority, started, loop.create_future())
         self._waiters.append(waiter)
         self._report()
-        if self.shared is not None and (self._poller is None or self._poller.done()):
-            self._poller = asyncio.create_task(self._poll_shared())
+        self._queued.set()
         try:
             index = await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
         except BaseException as exc:
@@ -211,11 +211,16 @@ class Admission:
             self.metrics.admission_wait.observe(waited)
         return Slot(self, index, waited)
 
-    async def _poll_shared(self) -> None:
-        # Another process's release is not announced here: look again while anyone waits.
-        while self._waiters:
-            await asyncio.sleep(SHARED_POLL_SECONDS)
-            self._dispatch()
+    async def poll_shared(self) -> None:
+        """Admit waiters when another process frees a shared slot. Its release is not announced here,
+        so while anyone waits, look again every `SHARED_POLL_SECONDS`; never returns (the app
+        lifespan runs it, through `TrafficControl.run`, when slots are shared)."""
+        while True:
+            await self._queued.wait()
+            while self._waiters:
+                await asyncio.sleep(SHARED_POLL_SECONDS)
+                self._dispatch()
+            self._queued.clear()
 
     def _refused(self, reason: str) -> None:
         if self.metrics is not None:

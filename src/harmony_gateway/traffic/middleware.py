@@ -40,6 +40,7 @@ from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
 from ..principal import authenticate, presented_key
 from ..settings import Settings
+from ..tasks import TaskSupervisor
 from ..types.limits import LOOP_BODY_BYTES
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
@@ -93,10 +94,6 @@ class TrafficMetrics:
             registry=registry,
             multiprocess_mode="min",
         )
-
-
-#: Prompt-token charges on their way to the store (kept referenced until done).
-_CHARGING: set[asyncio.Task[None]] = set()
 
 
 class Ticket:
@@ -155,9 +152,7 @@ class Ticket:
         limit, owed = self._owed()
         if owed > 0:
             self.charged += owed
-            task = asyncio.ensure_future(self._charge(limit, owed))
-            _CHARGING.add(task)
-            task.add_done_callback(_CHARGING.discard)
+            self._control.tasks.spawn(self._charge(limit, owed), name="traffic-charge")
 
     async def _charge(self, limit: int, tokens: int) -> None:
         await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
@@ -175,12 +170,19 @@ class Ticket:
 
 
 class TrafficControl:
-    """The gateway's traffic state: admission, budgets and the drain. Built with the app."""
+    """The gateway's traffic state: admission, budgets and the drain. Built with the app; token
+    charges sent off the response path are tasks of the app's `tasks`."""
 
     def __init__(
-        self, settings: Settings, registry: Any = None, shared_slots_path: str | None = None
+        self,
+        settings: Settings,
+        registry: Any = None,
+        shared_slots_path: str | None = None,
+        *,
+        tasks: TaskSupervisor,
     ) -> None:
         self.settings = settings
+        self.tasks = tasks
         self.metrics = TrafficMetrics(registry) if registry is not None else None
         self.admission: Admission | None = None
         if settings.max_concurrent_requests:
@@ -325,6 +327,12 @@ class TrafficControl:
             scope.cancel()
         return False
 
+    async def run(self) -> None:
+        """What traffic control does in the background, run by the app lifespan until shutdown:
+        with admission slots shared between processes, admitting waiters when another process frees one."""
+        if self.admission is not None and self.admission.shared is not None:
+            await self.admission.poll_shared()
+
     async def close(self) -> None:
         if isinstance(self.buckets, RedisBuckets):
             await self.buckets.close()
@@ -337,7 +345,7 @@ async def _send_error(
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
-    retry_after = getattr(exc, "retry_after", None)
+    retry_after = exc.retry_after
     if retry_after is not None:
         headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
         headers.append((b"retry-after-ms", str(int(retry_after * 1000)).encode()))

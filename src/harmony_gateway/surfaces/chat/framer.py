@@ -192,8 +192,8 @@ class LogprobChatStreamWriter(ChatStreamWriter):
         self._current = -1
 
     def _logprobs_bytes(self, index: int) -> bytes:
-        take = getattr(self._choices[index], "take_logprobs", None)
-        entries = take() if take is not None else []
+        choice = self._choices[index]
+        entries = choice.take_logprobs() if isinstance(choice, TextChoiceOutput) else []
         return b'{"content":' + orjson.dumps(entries) + b"}" if entries else b"null"
 
     def _choice(self, index: int, delta: bytes) -> bytes:
@@ -222,6 +222,5 @@ class LogprobChatStreamWriter(ChatStreamWriter):
 def add_logprobs(body: dict[str, Any], choices: list[Any]) -> None:
     """Fill `choices[i].logprobs` of a non-stream chat body from text choices that collected them."""
     for out, choice in zip(body["choices"], choices, strict=True):
-        entries = getattr(choice, "logprobs", None)
-        if isinstance(entries, list):
-            out["logprobs"] = {"content": entries}
+        if isinstance(choice, TextChoiceOutput):
+            out["logprobs"] = {"content": choice.logprobs}

@@ -71,7 +71,9 @@ async def plan_chat(state: GatewayState, request: ChatCompletionRequest, ctx: Re
     if prepared.output_adapter is not None:
         ctx.text_stats = text_parser_stats(choices)  # read once, at the end, for metrics
     elif prepared.harmony:
-        ctx.parsers = [choice.parser for choice in choices]  # read once, at the end, for metrics
+        ctx.parsers = [
+            c.parser for c in choices if isinstance(c, ChoiceOutput)
+        ]  # read once, at the end, for metrics
     # Streaming from the engine lets the gateway stop early on a client stop string.
     engine_stream = request.stream or bool(prepared.stop_strings)
 

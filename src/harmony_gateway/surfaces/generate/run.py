@@ -78,9 +78,12 @@ def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> Samplin
     sampling.regex = params.regex
     sampling.structural_tag = params.structural_tag
     sampling.stream_interval = params.stream_interval  # the caller's own wins over --stream-interval
-    kind = next(
-        (k for k in ("json_schema", "regex", "structural_tag") if getattr(params, k) is not None), None
+    constraints = (
+        ("json_schema", params.json_schema),
+        ("regex", params.regex),
+        ("structural_tag", params.structural_tag),
     )
+    kind = next((k for k, value in constraints if value is not None), None)
     sampling.constraint_param = f"sampling_params.{kind}" if kind else None
     return sampling
 

@@ -104,7 +104,7 @@ def resolve_group(state: GatewayState, model: str) -> ModelGroup:
     Order: `--model-alias NAME=MODEL`; a served model of that name; then, for a `claude-*` name, the only
     served model when exactly one is served (Claude Code asks for its small/fast `claude-*` model in
     background requests such as titles and command checks)."""
-    aliases = getattr(state.settings, "model_aliases", None) or {}
+    aliases = state.settings.model_aliases
     target = aliases.get(model, model)
     try:
         return state.fleet.group(target)
@@ -474,9 +474,8 @@ def messages_as_chat(request: CountTokensRequest) -> ChatCompletionRequest:
     if isinstance(request, MessagesRequest):
         body["max_tokens"] = request.max_tokens
         body["stream"] = request.stream
-        for key in ("temperature", "top_p", "top_k"):
-            if getattr(request, key) is not None:
-                body[key] = getattr(request, key)
+        sampling = {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k}
+        body.update((key, value) for key, value in sampling.items() if value is not None)
         if request.stop_sequences:
             body["stop"] = list(stop_sequences(request.stop_sequences))
     return ChatCompletionRequest.model_validate(body)

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
+from ...pipeline.context import LiveEvents
 from .output import frame
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ async def stream_stored_events(
     response_id: str,
     owner: str,
     after: int,
-    feed: EventFeed | None,
+    feed: LiveEvents | None,
     *,
     idle_timeout: float,
 ) -> AsyncGenerator[bytes, None]:

@@ -130,9 +130,8 @@ def finish_response(
     if plan.prepared.max_reasoning_tokens is not None:
         # As chat's completion_tokens_details.reasoning_budget_exceeded (pipeline/reasoning_budget.py).
         builder.usage["output_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
-    metrics = state.metrics
-    if plan.uses_tools and metrics is not None and hasattr(metrics, "mcp_iterations"):
-        metrics.mcp_iterations.labels(plan.prepared.group.name).observe(plan.iterations)
+    if plan.uses_tools:
+        state.metrics.mcp_iterations.labels(plan.prepared.group.name).observe(plan.iterations)
     if plan.finish_reason == "length":
         return builder.finish("incomplete", incomplete_reason="max_output_tokens")
     if plan.incomplete_reason is not None:

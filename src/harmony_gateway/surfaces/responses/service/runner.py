@@ -1,6 +1,7 @@
-"""Background responses: tasks owned by the app lifespan, cancellable by response id.
+"""Background responses: tasks of the app's `TaskSupervisor`, cancellable by response id.
 
-A background response outlives its HTTP request. Each task is tracked so shutdown can stop them all.
+A background response outlives its HTTP request. Each task is tracked so shutdown can stop them all
+before the MCP pool closes; the supervisor ends whatever is left with the app.
 `POST /cancel` may reach any process or replica: it marks the stored response `cancelled` (a
 conditional write, so it never overrides an ending that was stored first), and a watcher beside each
 task polls the stored status every `CANCEL_POLL_SECONDS` and cancels the task when it reads
@@ -21,15 +22,16 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from ....pipeline.context import LiveEvents
+from ....storage.base import Store
+from ....tasks import TaskSupervisor
+
 log = logging.getLogger(__name__)
 
 RUNNER_KEY = "_runner"
 
 #: How often the watcher of a running background response reads its stored status (one small query).
 CANCEL_POLL_SECONDS = 0.25
-
-#: Tasks settling finished background responses' admission tickets (kept referenced until done).
-_SETTLING: set[asyncio.Task[None]] = set()
 
 #: Statuses a background response may still leave (a cancel or its own ending moves it on).
 ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
@@ -69,32 +71,39 @@ def orphaned(runner: str | None, me: str) -> bool:
 
 
 class BackgroundRunner:
-    def __init__(self, runner_id: str, *, poll_interval: float = CANCEL_POLL_SECONDS) -> None:
+    def __init__(
+        self, runner_id: str, tasks: TaskSupervisor, *, poll_interval: float = CANCEL_POLL_SECONDS
+    ) -> None:
         self.runner_id = runner_id
         self.poll_interval = poll_interval
+        self._supervisor = tasks
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._feeds: dict[str, Any] = {}
+        self._feeds: dict[str, LiveEvents] = {}
 
     def start(
-        self, response_id: str, work: Coroutine[Any, Any, None], feed: Any = None, store: Any = None
+        self,
+        response_id: str,
+        work: Coroutine[Any, Any, None],
+        feed: LiveEvents | None = None,
+        store: Store | None = None,
     ) -> None:
         """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends.
         With `store`, a watcher cancels the task once the stored response reads `cancelled` (a cancel
         received by another process or replica); it ends with the task."""
-        task = asyncio.create_task(work, name=f"background-{response_id}")
+        task = self._supervisor.spawn(work, name=f"background-{response_id}")
         self._tasks[response_id] = task
-        self._hold_admission(task)
+        self._hold_admission(response_id, task)
         if feed is not None:
             self._feeds[response_id] = feed
         if store is not None:
-            watcher = asyncio.create_task(
+            watcher = self._supervisor.spawn(
                 watch_for_cancel(store, response_id, task, self.poll_interval),
                 name=f"background-watch-{response_id}",
             )
             task.add_done_callback(lambda _t: watcher.cancel())
         task.add_done_callback(lambda _t: self._forget(response_id))
 
-    def _hold_admission(self, task: asyncio.Task[None]) -> None:
+    def _hold_admission(self, response_id: str, task: asyncio.Task[None]) -> None:
         # The request's admission slot and token budget go with the response: the slot is held, and
         # the tokens charged, until the background task ends, not when the HTTP request returns.
         from ....traffic.middleware import current_ticket
@@ -105,9 +114,7 @@ class BackgroundRunner:
         ticket.detach()
 
         def settle(_task: asyncio.Task[None]) -> None:
-            follow_up = asyncio.ensure_future(ticket.settle())
-            _SETTLING.add(follow_up)
-            follow_up.add_done_callback(_SETTLING.discard)
+            self._supervisor.spawn(ticket.settle(), name=f"background-settle-{response_id}")
 
         task.add_done_callback(settle)
 
@@ -115,7 +122,7 @@ class BackgroundRunner:
         self._tasks.pop(response_id, None)
         self._feeds.pop(response_id, None)
 
-    def feed(self, response_id: str) -> Any:
+    def feed(self, response_id: str) -> LiveEvents | None:
         """The live event feed of a response running on this replica, or None."""
         return self._feeds.get(response_id)
 
@@ -144,7 +151,7 @@ class BackgroundRunner:
             await asyncio.wait(tasks, timeout=10)
 
 
-async def watch_for_cancel(store: Any, response_id: str, task: asyncio.Task[None], interval: float) -> None:
+async def watch_for_cancel(store: Store, response_id: str, task: asyncio.Task[None], interval: float) -> None:
     """Cancel `task` once the stored status of `response_id` is `cancelled`; return when the response
     has ended (or is gone). A failed read is logged and retried at the next interval."""
     while not task.done():
@@ -163,7 +170,7 @@ async def watch_for_cancel(store: Any, response_id: str, task: asyncio.Task[None
             return
 
 
-async def fail_interrupted(store: Any, runner_id: str) -> int:
+async def fail_interrupted(store: Store, runner_id: str) -> int:
     """Mark responses this replica was running when it stopped as failed, so none stays in progress."""
     stale = await store.list_responses_with_status({"queued", "in_progress"}, background_only=True)
     count = 0
