@@ -15,6 +15,7 @@ from harmony_gateway.errors import (
     UpstreamBadOutput,
     UpstreamTimeout,
 )
+from harmony_gateway.pipeline.context import RequestContext
 from harmony_gateway.traffic.routes import GENERATING_PATHS
 from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES, ROUTE_WIRES, route_wire
 
@@ -159,7 +160,7 @@ def test_anthropic_ends_a_stream_with_an_error_event_and_ignores_numbering() -> 
     assert ANTHROPIC.stream_error(NoHealthyWorker("no worker"), 0) == frame
 
 
-# -- the route table ----------------------------------------------------------------
+# -- the route table and the request context ----------------------------------------------------------------
 def test_every_generating_route_has_a_wire() -> None:
     assert {path for method, path in ROUTE_WIRES if method == "POST"} >= GENERATING_PATHS
     assert route_wire("POST", "/v1/messages") is ANTHROPIC
@@ -172,3 +173,15 @@ def test_every_generating_route_has_a_wire() -> None:
 def test_a_route_without_a_row_answers_on_the_openai_wire() -> None:
     assert route_wire("GET", "/v1/models") is OPENAI
     assert route_wire("GET", "/v1/messages") is OPENAI
+
+
+def test_the_context_frames_errors_on_its_wire_from_the_framers_numbering() -> None:
+    ctx = RequestContext(request_id="r", route="responses", wire=RESPONSES)
+    ctx.next_sequence = 5  # the framer handed out events 0..4
+    exc = Overloaded("cut", code="shutting_down")
+    assert ctx.error_frame(exc) == RESPONSES.stream_error(exc, 5)
+    # A cut from outside continues after what reached the client, not after what was framed.
+    ctx.sent_sequence = 3
+    assert ctx.cut_frame(exc) == RESPONSES.stream_error(exc, 3)
+    plain = RequestContext(request_id="r", route="chat")
+    assert plain.wire is OPENAI and plain.error_frame(exc) == OPENAI.stream_error(exc, 0)

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from ..pipeline.generate import run_completions, run_generate
 from ..types.generate import CompletionRequest, GenerateRequest
+from ..wire import OPENAI
 from .routes import serve_pipeline
 
 router = APIRouter()
@@ -18,9 +19,13 @@ router = APIRouter()
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    return await serve_pipeline(request, "generate", GenerateRequest, run_generate, ("text", "input_ids"))
+    return await serve_pipeline(
+        request, "generate", GenerateRequest, run_generate, ("text", "input_ids"), wire=OPENAI
+    )
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await serve_pipeline(request, "completions", CompletionRequest, run_completions, ("prompt",))
+    return await serve_pipeline(
+        request, "completions", CompletionRequest, run_completions, ("prompt",), wire=OPENAI
+    )
