@@ -85,6 +85,8 @@ async def slow_sim_process() -> AsyncIterator[str]:
         proc.wait(10)
 
 
+# A loop of its own: the session loop also runs other tests' in-process servers, whose tasks come and go.
+@pytest.mark.asyncio(loop_scope="function")
 async def test_shutdown_leaves_no_task_the_app_started() -> None:
     async with slow_sim_process() as sim_url:
         before = asyncio.all_tasks()

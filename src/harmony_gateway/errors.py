@@ -19,7 +19,7 @@
         └── UpstreamBadOutput     502  (model output that is not Harmony at all)
 
 Each class carries `status_code`, `error_type` and a default `code`; instances may override `code`
-and `param`. Only `api/error_responses.py` and `api/wire_errors.py` turn them into wire bodies.
+and `param`. Only `api/error_responses.py` and the wires (`wire.py`) turn them into wire bodies.
 
 Anything else a request or a background response raises is a gateway bug or a dependency's failure: a
 clean 500 (or a failed response) with one log line. `is_failure` says which exceptions count, a Rust

@@ -86,6 +86,18 @@ async def test_an_oversized_body_is_refused_before_it_is_read(guarded: RunningGa
         assert (await client.get("/health")).status_code == 200
 
 
+async def test_an_oversized_messages_body_is_refused_in_anthropics_shape(guarded: RunningGateway) -> None:
+    async with httpx.AsyncClient(base_url=guarded.url, timeout=30) as client:
+        messages = [{"role": "user", "content": "x" * SMALL_BODY_CAP}]
+        body = orjson.dumps({"model": MODEL, "max_tokens": 16, "messages": messages})
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = await client.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            assert r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "request_too_large"
+            assert r.json()["error"]["message"].startswith("the request body is larger")
+
+
 async def test_the_largest_allowed_request_never_stalls_the_event_loop(sim: Any) -> None:
     """A body just under the default 8 MiB cap: decoding, validating and rendering it take about a
     second of CPU, all off the event loop, while /health keeps answering."""

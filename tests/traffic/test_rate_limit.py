@@ -68,11 +68,16 @@ async def test_request_limit_per_address_without_keys() -> None:
                 "/v1/messages",
                 json={"model": MODEL, "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]},
             )
+            counted = await http.post(
+                "/v1/messages/count_tokens",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
         assert first.status_code == 200
         _assert_limited(second)
-        # The Messages API refuses in Anthropic's error shape.
-        assert message.status_code == 429 and int(message.headers["retry-after"]) >= 1
-        assert message.json() == {"type": "error", "error": {"type": "rate_limit_error", "message": ANY}}
+        # The Messages API refuses in Anthropic's error shape, its token counting too.
+        for refused in (message, counted):
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json() == {"type": "error", "error": {"type": "rate_limit_error", "message": ANY}}
 
 
 async def test_token_limit_and_a_key_file_limit() -> None:

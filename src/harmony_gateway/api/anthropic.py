@@ -1,8 +1,8 @@
 """Anthropic Messages API routes: `POST /v1/messages` (also `?beta=true`, as Claude Code calls it) and
 `POST /v1/messages/count_tokens`.
 
-Errors on these routes use Anthropic's body `{"type":"error","error":{"type","message"}}` (mapped once, in
-`api.wire_errors.anthropic_error`), so they are handled here rather than by the app's OpenAI-shaped
+Errors on these routes use Anthropic's body `{"type":"error","error":{"type","message"}}` (mapped once, by
+`wire.ANTHROPIC`), so they are handled here rather than by the app's OpenAI-shaped
 handlers. Auth accepts `x-api-key` as well as `Authorization: Bearer`. Every response carries
 `request-id` (read by the Anthropic SDK) and `x-request-id`.
 """
@@ -25,9 +25,9 @@ from ..pipeline.drive import answer
 from ..pipeline.reasoning_budget import budget_exceeded
 from ..surfaces.messages.run import count_message_tokens, plan_messages
 from ..surfaces.messages.types import CountTokensRequest, MessagesRequest
+from ..wire import ANTHROPIC
 from .error_responses import validation_error_to_invalid
 from .routes import gateway, json_body, new_context, owner_of, sse_response
-from .wire_errors import anthropic_error, anthropic_error_frame
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _error_response(request: Request, ctx: RequestContext | None, exc: BaseExcep
     if not isinstance(exc, GatewayError):
         request_id = _ids(ctx, request)["request-id"]
         log_failure(log, f"request {request_id} ({request.url.path})", exc)
-    status, body = anthropic_error(exc)
+    status, body = ANTHROPIC.error_response(exc)
     headers = _ids(ctx, request)
     if status in (429, 529):
         headers["retry-after"] = "1"
@@ -67,7 +67,7 @@ async def create_message(request: Request) -> Response:
     state = gateway(request)
     ctx: RequestContext | None = None
     try:
-        ctx = new_context(request, "messages", state, error_frame=anthropic_error_frame)
+        ctx = new_context(request, "messages", state, wire=ANTHROPIC)
         body = await json_body(request)
         if state.settings.log_prompts:
             ctx.log_extra["messages"] = body.get("messages")

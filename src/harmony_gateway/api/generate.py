@@ -13,6 +13,7 @@ from ..surfaces.completions.run import plan_completions
 from ..surfaces.completions.types import CompletionRequest
 from ..surfaces.generate.run import plan_generate
 from ..surfaces.generate.types import GenerateRequest
+from ..wire import OPENAI
 from .routes import serve_pipeline
 
 router = APIRouter()
@@ -20,9 +21,13 @@ router = APIRouter()
 
 @router.post("/generate")
 async def generate(request: Request) -> Response:
-    return await serve_pipeline(request, "generate", GenerateRequest, plan_generate, ("text", "input_ids"))
+    return await serve_pipeline(
+        request, "generate", GenerateRequest, plan_generate, ("text", "input_ids"), wire=OPENAI
+    )
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await serve_pipeline(request, "completions", CompletionRequest, plan_completions, ("prompt",))
+    return await serve_pipeline(
+        request, "completions", CompletionRequest, plan_completions, ("prompt",), wire=OPENAI
+    )

@@ -2,20 +2,21 @@
 (`--body-timeout`).
 
 A pure ASGI middleware: a declared `content-length` over the cap is answered 413 at once, without
-reading a byte; a chunked body is counted as it arrives and refused when it passes the cap; each body read
-waits at most `body_timeout` seconds for the next piece (a client trickling its body is answered 408, as
-nginx's `client_body_timeout` does). Both raise typed errors from the handler's own `receive`, so the one
-error mapping (api/error_responses.py) writes them. Only `receive` is wrapped, and only until the body is
-complete: responses, streamed ones included, pass through untouched.
+reading a byte, in the route's wire's shape (`wire.route_wire`); a chunked body is counted as it arrives
+and refused when it passes the cap; each body read waits at most `body_timeout` seconds for the next
+piece (a client trickling its body is answered 408, as nginx's `client_body_timeout` does). Both raise
+typed errors from the handler's own `receive`, so the one error mapping (api/error_responses.py) writes
+them. Only `receive` is wrapped, and only until the body is complete: responses, streamed ones
+included, pass through untouched.
 """
 
 from __future__ import annotations
 
 import anyio
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import PayloadTooLarge, RequestTimeout
+from ..wire import route_wire
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -45,7 +46,7 @@ class RequestGuardMiddleware:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if not value.isdigit() or int(value) > limit:
-                    await _refuse_too_large(send, limit)
+                    await _refuse_too_large(scope, send, limit)
                     return
                 break
         timeout = self.body_timeout
@@ -72,12 +73,13 @@ class RequestGuardMiddleware:
         await self.app(scope, guarded_receive, send)
 
 
-async def _refuse_too_large(send: Send, limit: int) -> None:
-    body = orjson.dumps({"error": PayloadTooLarge(too_large_message(limit)).to_dict()})
+async def _refuse_too_large(scope: Scope, send: Send, limit: int) -> None:
+    wire = route_wire(scope["method"], scope["path"])
+    status, body = wire.error_body(PayloadTooLarge(too_large_message(limit)))
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),

@@ -19,6 +19,7 @@ from ..surfaces.responses.types import (
     ConversationUpdate,
     ResponsesRequest,
 )
+from ..wire import RESPONSES
 from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
 
 router = APIRouter()
@@ -54,7 +55,7 @@ def _list_body(page: Any) -> dict[str, Any]:
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     return await serve_pipeline(
-        request, "responses", ResponsesRequest, plan_responses, ("instructions", "input")
+        request, "responses", ResponsesRequest, plan_responses, ("instructions", "input"), wire=RESPONSES
     )
 
 
@@ -88,7 +89,7 @@ async def get_response(response_id: str, request: Request) -> Response:
         raise InvalidRequest(
             "Only background responses can be streamed; create it with background=true.", param="stream"
         )
-    ctx = new_context(request, "responses_stream", state)
+    ctx = new_context(request, "responses_stream", state, wire=RESPONSES)
     ctx.model = record.model
     events = stream_stored_events(
         state.store,
@@ -96,6 +97,7 @@ async def get_response(response_id: str, request: Request) -> Response:
         owner,
         after,
         state.background.feed(response_id),
+        ctx,
         idle_timeout=state.settings.timeouts.first_token,
     )
     return sse_response(events, ctx)

@@ -20,11 +20,11 @@ from ..pipeline.drive import Planned, answer
 from ..principal import ADMIN, Principal, authenticate
 from ..surfaces.chat.run import plan_chat
 from ..surfaces.chat.types import ChatCompletionRequest
-from ..traffic.middleware import DECODED_BODY
+from ..traffic.middleware import DECODED_BODY, REQUEST_CONTEXT
 from ..types.limits import LOOP_BODY_BYTES
+from ..wire import OPENAI, Wire
 from .coalesce import coalesce
 from .error_responses import param_from_loc
-from .wire_errors import openai_error_frame
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -65,9 +65,11 @@ def new_context(
     route: str,
     state: GatewayState,
     *,
-    error_frame: Callable[[BaseException], bytes] = openai_error_frame,
+    wire: Wire = OPENAI,
     admin: bool = False,
 ) -> RequestContext:
+    """The request's context on `wire`, left in its ASGI state for traffic control (which charges its
+    tokens and, when it cuts the request's stream, ends it on its wire)."""
     request_id = getattr(request.state, "request_id", None) or new_request_id()
     request.state.request_id = request_id  # before authenticating: a 401 carries it too
     principal = principal_of(state, request, admin=admin)
@@ -78,10 +80,9 @@ def new_context(
         principal=principal,
         routing_key=routing_key,
         metrics=state.metrics,
-        error_frame=error_frame,
+        wire=wire,
     )
-    # Read by traffic control when the request ends: its prompt and completion tokens are charged.
-    request.state.request_context = ctx
+    setattr(request.state, REQUEST_CONTEXT, ctx)
     return ctx
 
 
@@ -160,6 +161,8 @@ def context_headers(ctx: RequestContext) -> dict[str, str]:
 async def _logged(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> AsyncGenerator[bytes, None]:
     try:
         async for piece in stream:
+            # The framer may run ahead of the writer (coalesce): what the client got is numbered here.
+            ctx.sent_sequence = ctx.next_sequence
             yield piece
     finally:
         finish_request(ctx)
@@ -217,11 +220,14 @@ async def serve_pipeline(
     schema: type[BaseModel],
     plan: Callable[[GatewayState, Any, RequestContext], Awaitable[Planned]],
     prompt_fields: tuple[str, ...] = (),
+    *,
+    wire: Wire,
 ) -> Response:
-    """The shape every generating route shares: context, body, validation, the pipeline, then a JSON body
-    (a dict or list) or an SSE stream. `prompt_fields` are logged only with --log-prompts."""
+    """The shape every generating route shares: context on its `wire`, body, validation, the pipeline,
+    then a JSON body (a dict or list) or an SSE stream. `prompt_fields` are logged only with
+    --log-prompts."""
     state = gateway(request)
-    ctx = new_context(request, route, state)
+    ctx = new_context(request, route, state, wire=wire)
     body = await json_body(request)
     if state.settings.log_prompts:
         for field in prompt_fields:
@@ -238,7 +244,7 @@ async def serve_pipeline(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await serve_pipeline(request, "chat", ChatCompletionRequest, plan_chat, ("messages",))
+    return await serve_pipeline(request, "chat", ChatCompletionRequest, plan_chat, ("messages",), wire=OPENAI)
 
 
 @router.get("/v1/models")

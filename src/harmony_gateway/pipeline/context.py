@@ -16,6 +16,7 @@ import anyio
 from ..engines.base import SamplingOptions
 from ..principal import ANONYMOUS, Principal
 from ..settings import Settings
+from ..wire import OPENAI, Wire
 from .stream_interval import StreamIntervalTuner
 
 if TYPE_CHECKING:
@@ -129,10 +130,6 @@ def engine_request_id(request_id: str) -> str:
     return f"{request_id}{ENGINE_ID_SEPARATOR}{os.urandom(8).hex()}"
 
 
-def _no_wire(exc: BaseException) -> bytes:
-    raise RuntimeError("this request context has no wire to frame an error for") from exc
-
-
 @dataclass(slots=True, eq=False)
 class RequestContext:
     #: The id the client sees (`x-request-id`, log lines, completion ids): the client's own when it sent
@@ -169,13 +166,29 @@ class RequestContext:
     text_stats: list[ParserStats] = field(default_factory=list)
     #: Set by `finish_request`, so a request is recorded and logged once.
     finished: bool = False
-    #: The terminal event of this request's stream when it fails after the first byte, in its wire's
-    #: shape; set by the route (api/wire_errors.py), the stages never build error bodies.
-    error_frame: Callable[[BaseException], bytes] = field(default=_no_wire)
+    #: The wire the request answers on (its error bodies and its stream's terminal frame); set by the
+    #: route, read by the stream driver and traffic control. The stages never build error bodies.
+    wire: Wire = OPENAI
+    #: On a wire that numbers its events (Responses): the sequence number the stream's next event takes,
+    #: advanced by the surface's framer as it hands events out. Never parsed back from the bytes.
+    next_sequence: int = 0
+    #: `next_sequence` as of the last piece of the stream handed to the client (api/routes.py): a stream
+    #: cut from outside is numbered on from there, even when the framer had run ahead of a slow client.
+    sent_sequence: int = 0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             self.engine_id = engine_request_id(self.request_id)
+
+    def error_frame(self, exc: BaseException) -> bytes:
+        """The terminal frame of this request's stream for a failure after its first byte, in its wire's
+        shape (the stream driver's, through the surface's framer)."""
+        return self.wire.stream_error(exc, self.next_sequence)
+
+    def cut_frame(self, exc: BaseException) -> bytes:
+        """The terminal frame of this request's stream when it is cut from outside (a drain timeout),
+        numbered right after the last event the client was handed."""
+        return self.wire.stream_error(exc, self.sent_sequence)
 
     @property
     def owner(self) -> str:
@@ -228,7 +241,7 @@ def detached_context(ctx: RequestContext) -> RequestContext:
         model=ctx.model,
         log_extra=dict(ctx.log_extra),
         metrics=ctx.metrics,
-        error_frame=ctx.error_frame,
+        wire=ctx.wire,
     )
 
 

@@ -15,6 +15,9 @@ Per request, in order:
 6. the app; as the response starts, tokens used beyond the reservation (from the request's
    `RequestContext`) are charged; the slot is released when its last byte is sent or the client
    leaves, and the reservation is settled to the real count then (what was not used is given back).
+Every refusal is answered on the route's wire (`wire.route_wire`: Anthropic's shape on the Messages
+API); a request cut by the drain timeout ends on the wire its route set on its `RequestContext` (a
+stream with its wire's terminal frame, numbered after the last event it sent).
 A background response takes over its request's `Ticket` (`current_ticket`), holding the slot and
 charging its tokens when it ends.
 """
@@ -25,7 +28,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,13 +37,13 @@ import orjson
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..api.wire_errors import error_body, terminal_frame
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
 from ..principal import authenticate, presented_key
 from ..settings import Settings
 from ..tasks import TaskSupervisor
 from ..types.limits import LOOP_BODY_BYTES
+from ..wire import Wire, WiredRequest, route_wire
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
@@ -143,7 +145,7 @@ class Ticket:
         limit = self._control.token_limit(self.policy)
         if not limit or self.identity is None:
             return 0, 0
-        ctx = self.scope_state.get("request_context")
+        ctx = self.scope_state.get(REQUEST_CONTEXT)
         used = ctx.prompt_tokens + ctx.completion_tokens if ctx is not None else 0
         return limit, used - self.charged
 
@@ -339,9 +341,9 @@ class TrafficControl:
 
 
 async def _send_error(
-    send: Send, path: str, exc: GatewayError, request_id: str, extra: list[tuple[bytes, bytes]]
+    send: Send, wire: Wire, exc: GatewayError, request_id: str, extra: list[tuple[bytes, bytes]]
 ) -> None:
-    status, body = error_body(path, exc)
+    status, body = wire.error_body(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
@@ -378,11 +380,12 @@ class TrafficMiddleware:
         control = self.control
         request_id = scope.get("state", {}).get("request_id") or ""
         cost = route_cost(scope["method"], path)
+        wire = route_wire(scope["method"], path)
         if cost is None:
             if path == "/readiness" and control.draining:
                 status[0] = 503
                 exc = Overloaded("the gateway is shutting down", code="shutting_down")
-                await _send_error(send, path, exc, request_id, [])
+                await _send_error(send, wire, exc, request_id, [])
                 return
             await self.app(scope, receive, send)
             return
@@ -391,16 +394,16 @@ class TrafficMiddleware:
                 control.metrics.admission_refused.labels(reason="draining").inc()
             status[0] = 503
             exc = Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
-            await _send_error(send, path, exc, request_id, [(b"connection", b"close")])
+            await _send_error(send, wire, exc, request_id, [(b"connection", b"close")])
             return
         # Counted from here, queued or running: the drain waits for every request it did not refuse,
         # and past its timeout cancels this scope.
-        watch = _ResponseWatch(send, status, path)
+        watch = _ResponseWatch(send, status, wire, scope.setdefault("state", {}))
         cancel_scope = anyio.CancelScope()
         control._enter(cancel_scope)
         try:
             with cancel_scope:
-                await self._admit_and_run(scope, receive, watch, path, headers, request_id, cost)
+                await self._admit_and_run(scope, receive, watch, headers, request_id, cost)
             if cancel_scope.cancelled_caught:
                 # End the request in its route's own error shape (a stream gets a terminal event).
                 await watch.cut(
@@ -414,7 +417,6 @@ class TrafficMiddleware:
         scope: Scope,
         receive: Receive,
         watch: _ResponseWatch,
-        path: str,
         headers: Headers,
         request_id: str,
         cost: RouteCost,
@@ -428,16 +430,16 @@ class TrafficMiddleware:
                 try:
                     tokens, receive = await _estimate_from_body(scope, receive)
                 except GatewayError as exc:  # the body broke --max-body-bytes or --body-timeout
-                    await _send_error(watch, path, exc, request_id, [])
+                    await _send_error(watch, watch.wire, exc, request_id, [])
                     return
             weight = cost.weight(_declared_length(headers))
             watch.extra, refusal, reserved = await control.check_budgets(identity, policy, weight, tokens)
             if refusal is not None:
-                await _send_error(watch, path, refusal, request_id, [])
+                await _send_error(watch, watch.wire, refusal, request_id, [])
                 return
         ticket = Ticket(control, None, identity, policy, scope.setdefault("state", {}), reserved)
         try:
-            await self._run_admitted(scope, receive, watch, path, request_id, cost, ticket)
+            await self._run_admitted(scope, receive, watch, request_id, cost, ticket)
         finally:
             if not ticket.detached:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
@@ -448,7 +450,6 @@ class TrafficMiddleware:
         scope: Scope,
         receive: Receive,
         watch: _ResponseWatch,
-        path: str,
         request_id: str,
         cost: RouteCost,
         ticket: Ticket,
@@ -464,7 +465,7 @@ class TrafficMiddleware:
                         control.admission, control.priority(ticket.policy), receive
                     )
             except RateLimited as refusal:
-                await _send_error(watch, path, refusal, request_id, [])
+                await _send_error(watch, watch.wire, refusal, request_id, [])
                 return
             if slot is None:
                 return  # the client left while queued
@@ -478,10 +479,12 @@ class TrafficMiddleware:
 
 
 class _ResponseWatch:
-    """The app's `send`: adds the budget headers, times the stream span, and can end a cut stream."""
+    """The app's `send`: adds the budget headers, times the stream span, and can end a cut response on
+    its wire: the wire of the request's route, or the one its route set on the `RequestContext` it left
+    in the request's state (with the numbering of its stream), never read back from the bytes sent."""
 
     __slots__ = (
-        "_path",
+        "_scope_state",
         "_send",
         "_span",
         "_status",
@@ -490,19 +493,19 @@ class _ResponseWatch:
         "started",
         "streaming",
         "ticket",
-        "sequence_number",
+        "wire",
     )
 
-    def __init__(self, send: Send, status: list[int], path: str) -> None:
+    def __init__(self, send: Send, status: list[int], wire: Wire, scope_state: dict[str, Any]) -> None:
         self._send = send
         #: The budget headers, added to the response's headers.
         self.extra: list[tuple[bytes, bytes]] = []
         self._status = status
-        self._path = path
+        #: The wire the request's route answers on (`wire.ROUTE_WIRES`), until the route says.
+        self.wire = wire
+        self._scope_state = scope_state
         self._span: Any = None
         self.ticket: Ticket | None = None
-        #: Responses streams: the sequence number a cut stream's error event takes.
-        self.sequence_number = 0
         self.started = False
         self.finished = False
         self.streaming = False
@@ -521,20 +524,10 @@ class _ResponseWatch:
                 if name.lower() == b"content-type" and value.startswith(b"text/event-stream"):
                     self.streaming = True
                     self._span = tracing.start_span("gateway.stream")
-        elif kind == "http.response.body":
-            if self.streaming and self._path == "/v1/responses":
-                self._follow_sequence(message.get("body", b""))
-            if not message.get("more_body", False):
-                self.finished = True
-                self._end_span()
+        elif kind == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+            self._end_span()
         await self._send(message)
-
-    def _follow_sequence(self, body: bytes) -> None:
-        at = body.rfind(b'"sequence_number":')
-        if at >= 0:
-            digits = re.match(rb"\s*(\d+)", body[at + 18 : at + 40])
-            if digits:
-                self.sequence_number = int(digits.group(1)) + 1
 
     def _end_span(self) -> None:
         if self._span is not None:
@@ -543,12 +536,20 @@ class _ResponseWatch:
 
     async def cut(self, exc: GatewayError) -> None:
         self._end_span()
+        request: WiredRequest | None = self._scope_state.get(REQUEST_CONTEXT)
         with contextlib.suppress(Exception):  # the client may be gone too
             if not self.started:
-                await _send_error(self, self._path, exc, "", [])
+                wire = self.wire if request is None else request.wire
+                await _send_error(self, wire, exc, "", [])
             elif self.streaming and not self.finished:
-                frame = terminal_frame(self._path, exc, self.sequence_number)
+                # A stream starts only inside a route, which sets the request's context first.
+                frame = request.cut_frame(exc) if request is not None else self.wire.stream_error(exc, 0)
                 await self._send({"type": "http.response.body", "body": frame, "more_body": False})
+
+
+#: The request state key under which the route leaves its `RequestContext` (api/routes.py
+#: `new_context`): read for the tokens to charge and, when the request is cut, its wire.
+REQUEST_CONTEXT = "request_context"
 
 
 #: The request state key under which traffic control leaves the JSON it decoded for the route's

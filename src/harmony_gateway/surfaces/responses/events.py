@@ -25,7 +25,8 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-from ...pipeline.context import LiveEvents
+from ...pipeline.context import LiveEvents, RequestContext
+from ...wire import responses_error_event
 from .output import frame
 
 log = logging.getLogger(__name__)
@@ -135,39 +136,30 @@ class EventFeed:
                 await changed.wait()
 
 
-def error_event(sequence_number: int, code: str, message: str, param: str | None = None) -> bytes:
-    """The Responses stream's `error` event: a stream that cannot reach its own terminal event."""
-    return frame(
-        {
-            "type": "error",
-            "code": code,
-            "message": message,
-            "param": param,
-            "sequence_number": sequence_number,
-        }
-    )
-
-
 async def stream_stored_events(
     store: Any,
     response_id: str,
     owner: str,
     after: int,
     feed: LiveEvents | None,
+    ctx: RequestContext,
     *,
     idle_timeout: float,
 ) -> AsyncGenerator[bytes, None]:
-    """Frames of a background response's events after `after`, then live until its terminal event.
+    """Frames of a background response's events after `after`, then live until its terminal event,
+    for the request `ctx`, whose `next_sequence` follows the events handed out.
 
     `feed` is the live feed when the response runs on this replica. Otherwise the stored log is read and
     polled every `POLL_INTERVAL` until it holds the terminal event. Ends with an `error` event (never an
     exception: the headers are sent) when no event arrives for `idle_timeout` seconds, or when the
     response finished without a terminal event in its log (a replica died mid-response)."""
     cursor = after
+    ctx.next_sequence = after + 1
     try:
         if feed is not None:
             async for last, piece in feed.follow(after, idle_timeout=idle_timeout):
                 cursor = last
+                ctx.next_sequence = last + 1
                 yield piece
             return
         deadline = time.monotonic() + idle_timeout
@@ -178,18 +170,19 @@ async def stream_stored_events(
                 deadline = time.monotonic() + idle_timeout
             for event in events:
                 cursor = event["sequence_number"]
+                ctx.next_sequence = cursor + 1
                 yield frame(event)
                 if event["type"] in TERMINAL_TYPES:
                     return
             if not events:
                 record = await store.get_response(response_id, owner)
                 if record is None:
-                    yield error_event(cursor + 1, "not_found", "the response was deleted")
+                    yield responses_error_event(cursor + 1, "not_found", "the response was deleted")
                     return
                 if record.status in FINISHED_STATUSES:
                     grace -= 1
                     if grace <= 0:
-                        yield error_event(
+                        yield responses_error_event(
                             cursor + 1,
                             "server_error",
                             f"the response ended ({record.status}) without the rest of its stream events",
@@ -199,6 +192,6 @@ async def stream_stored_events(
                 raise TimeoutError
             await asyncio.sleep(POLL_INTERVAL)
     except TimeoutError:
-        yield error_event(cursor + 1, "timeout", "timed out waiting for the response's next event")
+        yield responses_error_event(cursor + 1, "timeout", "timed out waiting for the response's next event")
     except LookupError as exc:
-        yield error_event(cursor + 1, "server_error", str(exc))
+        yield responses_error_event(cursor + 1, "server_error", str(exc))

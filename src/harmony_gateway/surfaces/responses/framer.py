@@ -42,7 +42,9 @@ class ResponsesFramer:
     Each engine chunk is parsed into the builder and each tool call that ran is reported; the builder's
     new events go out at once (a stream), stay in the builder (a JSON body) or are published (`publish`,
     a background response). A stream's tail is the terminal event, sent after the response is stored; a
-    failure is `response.failed`, stored too when `store` is set."""
+    failure is `response.failed`, stored too when `store` is set. The request's `next_sequence` follows
+    the events handed out (the stream's head is taken right after the framer is made), so a stream cut
+    from outside ends with an `error` event numbered after them."""
 
     __slots__ = ("_builder", "_ctx", "_failed", "_plan", "_publish", "_state", "_to_store", "unsettled")
 
@@ -65,6 +67,13 @@ class ResponsesFramer:
         self.unsettled = False
         if plan.prepared.return_logprob and builder.token_text is None:
             builder.token_text = token_texts(state.encoding)
+        ctx.next_sequence = builder.sequence
+
+    def _take(self) -> bytes:
+        """The builder's new frames, handed to the driver; the request's numbering follows them."""
+        framed = self._builder.take()
+        self._ctx.next_sequence = self._builder.sequence
+        return framed
 
     def feed(self, item: EngineChunk | ToolSlot) -> bytes:
         builder = self._builder
@@ -80,7 +89,7 @@ class ResponsesFramer:
         if self._publish is not None:
             self.unsettled = True
             return b""
-        return builder.take()
+        return self._take()
 
     def stopped(self) -> bool:
         return False  # a response reads its turns to the end
@@ -88,7 +97,7 @@ class ResponsesFramer:
     def tail(self) -> bytes:
         self._to_store = finish_response(self._state, self._plan, self._builder, self._ctx)
         self.unsettled = True
-        return self._builder.take()
+        return self._take()
 
     def error(self, exc: BaseException) -> bytes:
         """Close the open items (incomplete) and end with `response.failed`. The conversation is not
@@ -101,7 +110,7 @@ class ResponsesFramer:
         if self._plan.request.store:
             self._to_store, self._failed = body, True  # OpenAI keeps failed responses; GET returns it
             self.unsettled = True
-        return builder.take()
+        return self._take()
 
     def completion_tokens(self) -> int:
         return self._plan.output_tokens_so_far()

@@ -52,6 +52,7 @@ async def start_background(
             plan.owner,
             -1,
             feed,
+            ctx,
             idle_timeout=state.settings.timeouts.first_token,
         )
     return queued

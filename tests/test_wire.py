@@ -1,0 +1,187 @@
+"""Each wire as data: an exception in, the HTTP status and body before the first byte, or the terminal
+frame of a stream after it, out; and the one table that names the wire of each generating route."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from harmony_gateway.errors import (
+    InvalidRequest,
+    NoHealthyWorker,
+    Overloaded,
+    PayloadTooLarge,
+    RateLimited,
+    UpstreamBadOutput,
+    UpstreamTimeout,
+)
+from harmony_gateway.pipeline.context import RequestContext
+from harmony_gateway.traffic.routes import GENERATING_PATHS
+from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES, ROUTE_WIRES, route_wire
+
+INTERNAL = {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
+
+
+def _events(frame: bytes) -> list[tuple[str | None, object]]:
+    """(event name or None, decoded data) of each SSE event in `frame`."""
+    out: list[tuple[str | None, object]] = []
+    for block in frame.decode().split("\n\n"):
+        if not block:
+            continue
+        name = None
+        data = None
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:])
+        out.append((name, data))
+    assert frame.endswith(b"\n\n")
+    return out
+
+
+# -- OpenAI: chat completions, completions, /generate ----------------------------------------------------
+def test_openai_answers_a_gateway_error_with_its_own_status_and_error_object() -> None:
+    status, body = OPENAI.error_response(InvalidRequest("n must be at least 1", param="n"))
+    assert status == 400
+    assert body == {
+        "error": {
+            "message": "n must be at least 1",
+            "type": "invalid_request_error",
+            "param": "n",
+            "code": None,
+        }
+    }
+    assert OPENAI.error_body(InvalidRequest("n must be at least 1", param="n")) == (400, orjson.dumps(body))
+
+
+def test_openai_answers_anything_else_with_an_opaque_500() -> None:
+    assert OPENAI.error_response(RuntimeError("a bug with secrets")) == (500, {"error": INTERNAL})
+
+
+def test_openai_ends_a_stream_with_an_error_chunk_then_done_and_ignores_numbering() -> None:
+    exc = Overloaded("the gateway shut down", code="shutting_down")
+    frame = OPENAI.stream_error(exc, 17)
+    assert _events(frame) == [
+        (
+            None,
+            {
+                "error": {
+                    "message": "the gateway shut down",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "shutting_down",
+                }
+            },
+        ),
+        (None, "[DONE]"),
+    ]
+    assert OPENAI.stream_error(exc, 0) == frame
+    assert _events(OPENAI.stream_error(ValueError("x"), 0))[0] == (
+        None,
+        {"error": dict(INTERNAL, message="internal error while streaming")},
+    )
+
+
+# -- Responses --------------------------------------------------------------------------------------------
+def test_responses_answers_before_the_first_byte_as_openai_does() -> None:
+    for exc in (InvalidRequest("bad", param="input"), NoHealthyWorker("none"), RuntimeError("bug")):
+        assert RESPONSES.error_response(exc) == OPENAI.error_response(exc)
+
+
+def test_responses_ends_a_stream_with_an_error_event_numbered_next() -> None:
+    frame = RESPONSES.stream_error(Overloaded("the gateway shut down", code="shutting_down"), 42)
+    assert _events(frame) == [
+        (
+            "error",
+            {
+                "type": "error",
+                "code": "shutting_down",
+                "message": "the gateway shut down",
+                "param": None,
+                "sequence_number": 42,
+            },
+        )
+    ]
+    bug = _events(RESPONSES.stream_error(RuntimeError("bug"), 3))
+    assert bug == [
+        (
+            "error",
+            {
+                "type": "error",
+                "code": "internal_error",
+                "message": "internal error while streaming",
+                "param": None,
+                "sequence_number": 3,
+            },
+        )
+    ]
+
+
+# -- Anthropic Messages -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("exc", "status", "error_type"),
+    [
+        (InvalidRequest("bad"), 400, "invalid_request_error"),
+        (PayloadTooLarge("too big"), 413, "request_too_large"),
+        (RateLimited("slow down"), 429, "rate_limit_error"),
+        (NoHealthyWorker("none"), 529, "overloaded_error"),
+        (Overloaded("draining", code="shutting_down"), 529, "overloaded_error"),
+        (UpstreamTimeout("late"), 504, "timeout_error"),
+        (UpstreamBadOutput("junk"), 502, "api_error"),
+    ],
+)
+def test_anthropic_maps_statuses_to_its_own_table(exc: Exception, status: int, error_type: str) -> None:
+    assert ANTHROPIC.error_response(exc) == (
+        status,
+        {"type": "error", "error": {"type": error_type, "message": str(exc)}},
+    )
+
+
+def test_anthropic_names_the_parameter_in_the_message_once() -> None:
+    _, body = ANTHROPIC.error_response(InvalidRequest("must be positive", param="max_tokens"))
+    assert body["error"]["message"] == "must be positive (at max_tokens)"
+    _, body = ANTHROPIC.error_response(InvalidRequest("bad (at max_tokens)", param="max_tokens"))
+    assert body["error"]["message"] == "bad (at max_tokens)"
+
+
+def test_anthropic_answers_anything_else_with_an_api_error() -> None:
+    assert ANTHROPIC.error_response(RuntimeError("a bug")) == (
+        500,
+        {"type": "error", "error": {"type": "api_error", "message": "internal error"}},
+    )
+
+
+def test_anthropic_ends_a_stream_with_an_error_event_and_ignores_numbering() -> None:
+    frame = ANTHROPIC.stream_error(NoHealthyWorker("no worker"), 9)
+    assert _events(frame) == [
+        ("error", {"type": "error", "error": {"type": "overloaded_error", "message": "no worker"}})
+    ]
+    assert ANTHROPIC.stream_error(NoHealthyWorker("no worker"), 0) == frame
+
+
+# -- the route table and the request context ----------------------------------------------------------------
+def test_every_generating_route_has_a_wire() -> None:
+    assert {path for method, path in ROUTE_WIRES if method == "POST"} >= GENERATING_PATHS
+    assert route_wire("POST", "/v1/messages") is ANTHROPIC
+    assert route_wire("POST", "/v1/messages/count_tokens") is ANTHROPIC
+    assert route_wire("POST", "/v1/responses") is RESPONSES
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        assert route_wire("POST", path) is OPENAI
+
+
+def test_a_route_without_a_row_answers_on_the_openai_wire() -> None:
+    assert route_wire("GET", "/v1/models") is OPENAI
+    assert route_wire("GET", "/v1/messages") is OPENAI
+
+
+def test_the_context_frames_errors_on_its_wire_from_the_framers_numbering() -> None:
+    ctx = RequestContext(request_id="r", route="responses", wire=RESPONSES)
+    ctx.next_sequence = 5  # the framer handed out events 0..4
+    exc = Overloaded("cut", code="shutting_down")
+    assert ctx.error_frame(exc) == RESPONSES.stream_error(exc, 5)
+    # A cut from outside continues after what reached the client, not after what was framed.
+    ctx.sent_sequence = 3
+    assert ctx.cut_frame(exc) == RESPONSES.stream_error(exc, 3)
+    plain = RequestContext(request_id="r", route="chat")
+    assert plain.wire is OPENAI and plain.error_frame(exc) == OPENAI.stream_error(exc, 0)
