@@ -11,13 +11,13 @@ from typing import Any
 
 import orjson
 
-from harmony_gateway.api.wire_errors import anthropic_error_frame, openai_error_frame
 from harmony_gateway.app import build_state
 from harmony_gateway.engines.base import EngineChunk
 from harmony_gateway.harmony.encoding import ASSISTANT_STOP_IDS, get_encoding
 from harmony_gateway.pipeline.context import GatewayState, RequestContext
 from harmony_gateway.pipeline.drive import Generation, Planned, answer
 from harmony_gateway.storage.memory import MemoryStore
+from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES
 from tests.harmony.test_render import MODEL, model_group
 from tests.support.servers import test_settings
 
@@ -48,12 +48,13 @@ def serving_state() -> GatewayState:
 def openai_context(route: str) -> RequestContext:
     """A request context as the OpenAI-shaped routes build it (chat, completions, generate, responses).
     With `anthropic_context`, the one place these tests say which wire a request's errors take."""
-    return RequestContext(request_id=REQUEST_ID, route=route, error_frame=openai_error_frame)
+    wire = RESPONSES if route == "responses" else OPENAI
+    return RequestContext(request_id=REQUEST_ID, route=route, wire=wire)
 
 
 def anthropic_context() -> RequestContext:
     """A request context as the Messages route builds it: Anthropic's error event mid-stream."""
-    return RequestContext(request_id=REQUEST_ID, route="messages", error_frame=anthropic_error_frame)
+    return RequestContext(request_id=REQUEST_ID, route="messages", wire=ANTHROPIC)
 
 
 def harmony_ids(text: str) -> list[int]:
