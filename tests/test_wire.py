@@ -16,8 +16,8 @@ from harmony_gateway.errors import (
     UpstreamTimeout,
 )
 from harmony_gateway.pipeline.context import RequestContext
-from harmony_gateway.traffic.routes import GENERATING_PATHS
-from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES, ROUTE_WIRES, route_wire
+from harmony_gateway.surfaces.table import SURFACES, route_map
+from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES
 
 INTERNAL = {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
 
@@ -162,17 +162,19 @@ def test_anthropic_ends_a_stream_with_an_error_event_and_ignores_numbering() -> 
 
 # -- the route table and the request context ----------------------------------------------------------------
 def test_every_generating_route_has_a_wire() -> None:
-    assert {path for method, path in ROUTE_WIRES if method == "POST"} >= GENERATING_PATHS
-    assert route_wire("POST", "/v1/messages") is ANTHROPIC
-    assert route_wire("POST", "/v1/messages/count_tokens") is ANTHROPIC
-    assert route_wire("POST", "/v1/responses") is RESPONSES
+    routes = route_map()
+    assert set(routes.generating) == {surface.path for surface in SURFACES}
+    assert routes.wire("POST", "/v1/messages") is ANTHROPIC
+    assert routes.wire("POST", "/v1/messages/count_tokens") is ANTHROPIC
+    assert routes.wire("POST", "/v1/responses") is RESPONSES
     for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
-        assert route_wire("POST", path) is OPENAI
+        assert routes.wire("POST", path) is OPENAI
 
 
 def test_a_route_without_a_row_answers_on_the_openai_wire() -> None:
-    assert route_wire("GET", "/v1/models") is OPENAI
-    assert route_wire("GET", "/v1/messages") is OPENAI
+    routes = route_map()
+    assert routes.wire("GET", "/v1/models") is OPENAI
+    assert routes.wire("GET", "/v1/messages") is OPENAI
 
 
 def test_the_context_frames_errors_on_its_wire_from_the_framers_numbering() -> None:

@@ -24,13 +24,12 @@ from fastapi import FastAPI
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
 from .api.error_responses import UnexpectedErrorMiddleware, install_error_handlers
-from .api.generate import router as generate_router
 from .api.inspector import router as inspector_router
 from .api.openapi import install_openapi
 from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
-from .api.routes import router
+from .api.routes import router, surface_router
 from .api.workers import router as workers_router
 from .engines.registry import create_client
 from .harmony.encoding import PromptRenderer, get_encoding
@@ -46,9 +45,10 @@ from .routing.workers import Worker, WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
 from .surfaces.responses.service.runner import BackgroundRunner, default_runner_id, fail_interrupted
+from .surfaces.table import route_map
 from .tasks import TaskSupervisor
 from .traffic import drain
-from .traffic.middleware import GENERATING_PATHS, TrafficControl, TrafficMetrics, TrafficMiddleware
+from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -254,22 +254,27 @@ def create_app(settings: Settings) -> FastAPI:
     drain.current_control = control
     app.state.traffic = control
     # Innermost: the generating routes without FastAPI's per-request routing work (api/direct_routes.py).
-    direct = post_endpoints((router, responses_router, anthropic_router, generate_router), GENERATING_PATHS)
+    # The generating routes and the wire of every route, from the surface table.
+    routes = route_map()
+    direct = post_endpoints((surface_router,), routes.generating)
     app.add_middleware(DirectRoutes, routes=direct, exception_handlers=app.exception_handlers)
     # Inside the request-id middleware: refusals carry the id too.
-    app.add_middleware(TrafficMiddleware, control=control)
+    app.add_middleware(TrafficMiddleware, control=control, routes=routes)
     app.add_middleware(
-        RequestGuardMiddleware, max_body_bytes=settings.max_body_bytes, body_timeout=settings.body_timeout
+        RequestGuardMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout=settings.body_timeout,
+        routes=routes,
     )
     # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean 500.
-    app.add_middleware(UnexpectedErrorMiddleware)
+    app.add_middleware(UnexpectedErrorMiddleware, routes=routes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
-    install_error_handlers(app)
+    install_error_handlers(app, routes)
+    app.include_router(surface_router)
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(workers_router)
     app.include_router(anthropic_router)
-    app.include_router(generate_router)
     app.include_router(inspector_router)
     # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
     install_openapi(app)

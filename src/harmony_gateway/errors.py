@@ -49,6 +49,13 @@ class GatewayError(Exception):
         return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
 
 
+class InternalError(GatewayError):
+    """A failure that is the gateway's own (a bug, a dependency's panic): answered opaquely, by request id."""
+
+    status_code = 500
+    code = "internal_error"
+
+
 class InvalidRequest(GatewayError):
     """Raised when a request is malformed or asks for something the model cannot do."""
 

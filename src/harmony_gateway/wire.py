@@ -7,10 +7,11 @@ an `error` event numbered after the stream's last event) and `ANTHROPIC` (the Me
 529 when overloaded, and `{"type": "error", "error": {type, message}}`; a stream ends with an `error`
 event).
 
-A route sets its wire on the `RequestContext`, from which the stream driver and traffic control frame
-errors; before a route ran, traffic control reads `ROUTE_WIRES`, the one table of which route answers
-on which wire. Stages raise typed errors only. This module is a leaf: it imports only the errors and the
-SSE framing, so the pipeline, traffic control and the API all read it.
+A route sets its wire on the `RequestContext`, from which the stream driver, the error handlers and
+traffic control frame errors; before a route ran, they read the wire of each route from
+`traffic.routes.RouteMap`, which the app builds from the surface table. Stages raise typed errors only.
+This module is a leaf: it imports only the errors and the SSE framing, so the pipeline, traffic control
+and the API all read it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from .errors import GatewayError
+from .errors import GatewayError, InternalError, PayloadTooLarge, RequestTimeout
 from .pipeline.sse import DONE, data_frame, event_frame
 
 
@@ -37,6 +38,11 @@ class Wire:
     name: str
     error_response: Callable[[BaseException], tuple[int, dict[str, Any]]]
     stream_error: Callable[[BaseException, int], bytes]
+    #: The response headers that carry the request id (Anthropic's SDK reads `request-id`).
+    request_id_headers: tuple[str, ...] = ("x-request-id",)
+
+    def id_headers(self, request_id: str) -> dict[str, str]:
+        return dict.fromkeys(self.request_id_headers, request_id)
 
     def error_body(self, exc: BaseException) -> tuple[int, bytes]:
         """`error_response(exc)` with its body encoded."""
@@ -123,26 +129,41 @@ def _anthropic_stream_error(exc: BaseException, next_sequence: int) -> bytes:
     return event_frame("error", _anthropic_response(exc)[1])
 
 
-ANTHROPIC = Wire("anthropic", _anthropic_response, _anthropic_stream_error)
+ANTHROPIC = Wire(
+    "anthropic",
+    _anthropic_response,
+    _anthropic_stream_error,
+    request_id_headers=("request-id", "x-request-id"),
+)
 
 
-# -- which route answers on which wire -----------------------------------------------------------------------
-#: The wire of each generating route and of the Messages API's token counting (method, path as
-#: registered): what traffic control answers in before the route ran (a rate limit, admission, a body
-#: too large, a drain). Every other route answers on the OpenAI wire.
-ROUTE_WIRES: dict[tuple[str, str], Wire] = {
-    ("POST", "/v1/chat/completions"): OPENAI,
-    ("POST", "/v1/completions"): OPENAI,
-    ("POST", "/generate"): OPENAI,
-    ("POST", "/v1/responses"): RESPONSES,
-    ("POST", "/v1/messages"): ANTHROPIC,
-    ("POST", "/v1/messages/count_tokens"): ANTHROPIC,
-}
+# -- the headers of an error response -------------------------------------------------------------------------
+#: Client errors a retry can fix (a slow body, a conflict that clears, a limit that refills): every other
+#: 4xx, and 501, tells the SDKs not to retry (`x-should-retry: false`).
+_RETRYABLE_CLIENT_ERRORS = frozenset({408, 409, 429})
+#: Statuses whose error says when to come back even without its own `retry_after`.
+_COME_BACK = frozenset({429, 503})
 
 
-def route_wire(method: str, path: str) -> Wire:
-    """The wire `method path` answers on before its route ran (`ROUTE_WIRES`; OpenAI's otherwise)."""
-    return ROUTE_WIRES.get((method, path), OPENAI)
+def error_headers(wire: Wire, exc: GatewayError, request_id: str) -> dict[str, str]:
+    """The headers of `exc`'s error response on `wire`, on every path that answers one (the routes' error
+    handlers, traffic control's refusals, the request guard): the request id as the wire names it, when
+    to retry, whether to, and `connection: close` when the rest of the body may still be on the wire."""
+    headers = wire.id_headers(request_id) if request_id else {}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, round(exc.retry_after)))
+        headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
+    elif exc.status_code in _COME_BACK:
+        headers["retry-after"] = "1"
+    if (
+        (exc.status_code < 500 and exc.status_code not in _RETRYABLE_CLIENT_ERRORS)
+        or exc.status_code == 501
+        or isinstance(exc, InternalError)  # a gateway bug does not heal on retry
+    ):
+        headers["x-should-retry"] = "false"
+    if isinstance(exc, RequestTimeout | PayloadTooLarge):
+        headers["connection"] = "close"
+    return headers
 
 
 class WiredRequest(Protocol):
@@ -159,9 +180,8 @@ __all__ = [
     "ANTHROPIC",
     "OPENAI",
     "RESPONSES",
-    "ROUTE_WIRES",
     "Wire",
     "WiredRequest",
     "responses_error_event",
-    "route_wire",
+    "error_headers",
 ]

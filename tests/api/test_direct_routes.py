@@ -10,6 +10,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from harmony_gateway.api.direct_routes import DirectRoutes, post_endpoints
+from harmony_gateway.api.routes import surface_router
+from harmony_gateway.surfaces.table import SURFACES
 
 
 class Refused(Exception):
@@ -62,14 +64,8 @@ async def test_errors_take_the_apps_exception_handlers() -> None:
 
 
 def test_the_generating_routes_are_found_on_the_routers() -> None:
-    from harmony_gateway.api.anthropic import router as anthropic_router
-    from harmony_gateway.api.generate import router as generate_router
-    from harmony_gateway.api.responses import create_response
-    from harmony_gateway.api.responses import router as responses_router
-    from harmony_gateway.api.routes import router
-    from harmony_gateway.traffic.middleware import GENERATING_PATHS
-
-    found = post_endpoints((router, responses_router, anthropic_router, generate_router), GENERATING_PATHS)
-    assert set(found) == GENERATING_PATHS and found["/v1/responses"] is create_response
+    paths = {surface.path for surface in SURFACES}
+    found = post_endpoints((surface_router,), paths)
+    assert set(found) == paths and found["/v1/responses"].__name__ == "create_responses"
     with pytest.raises(ValueError, match="/v1/nothing"):
-        post_endpoints((router,), {"/v1/nothing"})
+        post_endpoints((surface_router,), {"/v1/nothing"})

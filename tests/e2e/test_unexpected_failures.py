@@ -141,8 +141,12 @@ async def test_a_panic_on_the_anthropic_wire_is_its_own_500(
     with anyio.fail_after(TIMEOUT):
         response = await http.post("/v1/messages", json=body, headers={"x-request-id": "rid-anthropic"})
     assert response.status_code == 500, response.text
-    assert response.json() == {"type": "error", "error": {"type": "api_error", "message": "internal error"}}
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "internal error (request id rid-anthropic)"},
+    }
     assert response.headers["request-id"] == "rid-anthropic"
+    assert response.headers["x-should-retry"] == "false"
     assert_one_line_about(caplog, "rid-anthropic", "PanicException")
 
 

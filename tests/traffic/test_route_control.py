@@ -12,6 +12,7 @@ from fastapi.routing import APIRoute
 
 from harmony_gateway.app import create_app
 from harmony_gateway.settings import Settings
+from harmony_gateway.surfaces.table import SURFACES, route_map
 from harmony_gateway.traffic.routes import (
     GENERATION,
     READ,
@@ -50,8 +51,9 @@ def concrete(template: str) -> str:
 def test_every_route_is_controlled_or_explicitly_opted_out() -> None:
     routes = app_routes()
     assert ("POST", "/v1/harmony/render") in routes and ("POST", "/v1/conversations") in routes
+    route_costs = route_map()
     for method, template in routes:
-        cost = route_cost(method, concrete(template))
+        cost = route_costs.cost(method, concrete(template))
         if (method, template) in UNCONTROLLED:
             assert cost is None, (method, template)
         else:
@@ -63,7 +65,8 @@ def test_every_route_is_controlled_or_explicitly_opted_out() -> None:
 
 
 def test_route_weights() -> None:
-    assert route_cost("POST", "/v1/chat/completions") is GENERATION
+    for surface in SURFACES:
+        assert route_map().cost("POST", surface.path) is GENERATION
     assert route_cost("POST", "/v1/harmony/render") is TOKENIZING
     assert route_cost("POST", "/v1/messages/count_tokens") is TOKENIZING
     assert route_cost("POST", "/v1/conversations/conv_1/items") is WRITE

@@ -1,9 +1,10 @@
-"""The one mapping from exceptions to OpenAI-style error responses (REFERENCE §8).
+"""The one mapping from exceptions to error responses (REFERENCE §8), on the request's wire (`wire.py`:
+OpenAI's body, or Anthropic's on the Messages API).
 
-`GatewayError` → its status and `{"error": {message, type, param, code}}`; request validation errors →
-400 with `param` naming the field; anything else (a gateway bug, a dependency's failure or panic) → 500
-with the request id in the body and `x-should-retry: false` (it will not heal on retry), and one log
-line (`UnexpectedErrorMiddleware`). Every response carries `x-request-id`.
+`GatewayError` → its status and body; request validation errors → 400 with `param` naming the field;
+anything else (a gateway bug, a dependency's failure or panic) → 500 with the request id in the body and
+`x-should-retry: false` (it will not heal on retry), and one log line (`UnexpectedErrorMiddleware`).
+Every response carries `x-request-id` (and `request-id` on Anthropic's wire).
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import (
     GatewayError,
+    InternalError,
     InvalidRequest,
-    NoHealthyWorker,
-    PayloadTooLarge,
-    RateLimited,
-    RequestTimeout,
-    UpstreamUnavailable,
     is_failure,
 )
 from ..observability.logging import log_failure
+from ..pipeline.context import RequestContext
+from ..traffic.middleware import REQUEST_CONTEXT
+from ..traffic.routes import RouteMap
+from ..wire import Wire, error_headers
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,14 @@ def error_response(
     return Response(
         orjson.dumps({"error": error}), status_code=status, media_type="application/json", headers=out_headers
     )
+
+
+def wire_of(request: Request, routes: RouteMap) -> Wire:
+    """The wire `request` answers on: the one its route set on its context, else its route's."""
+    ctx = request.scope.get("state", {}).get(REQUEST_CONTEXT)
+    if isinstance(ctx, RequestContext):
+        return ctx.wire
+    return routes.wire(request.method, request.url.path)
 
 
 def param_from_loc(loc: tuple[Any, ...]) -> str | None:
@@ -81,31 +90,29 @@ def validation_error_to_invalid(exc: ValidationError | RequestValidationError) -
     return InvalidRequest(message, param=param)
 
 
-def gateway_error_response(request: Request, exc: GatewayError) -> Response:
-    headers: dict[str, str] = {}
-    if isinstance(exc, (RateLimited, NoHealthyWorker, UpstreamUnavailable)):
-        headers["retry-after"] = "1"
-    if exc.status_code < 500 or exc.status_code == 501:
-        headers["x-should-retry"] = "false"
-    if isinstance(exc, (RequestTimeout, PayloadTooLarge)):
-        headers["connection"] = "close"  # the rest of the body may still be on the wire
+def gateway_error_response(request: Request, exc: GatewayError, wire: Wire) -> Response:
+    """`exc` answered on `wire`: its status, body and headers (`wire.error_headers`)."""
     if exc.status_code >= 500:
         log.warning("request %s failed: %s", request_id_of(request), exc.message)
-    return error_response(request, exc.status_code, exc.to_dict(), headers)
+    status, body = wire.error_body(exc)
+    headers = error_headers(wire, exc, request_id_of(request))
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, routes: RouteMap) -> None:
+    """The one mapping from what a route raises to its answer, on the wire of the request (`wire_of`)."""
+
     @app.exception_handler(GatewayError)
     async def _gateway(request: Request, exc: GatewayError) -> Response:
-        return gateway_error_response(request, exc)
+        return gateway_error_response(request, exc, wire_of(request, routes))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return gateway_error_response(request, validation_error_to_invalid(exc))
+        return gateway_error_response(request, validation_error_to_invalid(exc), wire_of(request, routes))
 
     @app.exception_handler(ValidationError)
     async def _pydantic(request: Request, exc: ValidationError) -> Response:
-        return gateway_error_response(request, validation_error_to_invalid(exc))
+        return gateway_error_response(request, validation_error_to_invalid(exc), wire_of(request, routes))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -129,19 +136,6 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)
 
 
-def internal_error_body(request_id: str) -> bytes:
-    return orjson.dumps(
-        {
-            "error": {
-                "message": f"internal error (request id {request_id})",
-                "type": "server_error",
-                "param": None,
-                "code": "internal_error",
-            }
-        }
-    )
-
-
 class UnexpectedErrorMiddleware:
     """Pure ASGI, just inside the request-id middleware: what a request raises that no handler took (a
     gateway bug, a dependency's failure, a Rust extension's panic, which derives from BaseException and
@@ -150,8 +144,9 @@ class UnexpectedErrorMiddleware:
     A response already under way is ended where it stands (its stream has no terminal frame: the
     stages that stream write that themselves, see pipeline/drive.py)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, routes: RouteMap) -> None:
         self.app = app
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,11 +170,19 @@ class UnexpectedErrorMiddleware:
             request_id = str(scope.get("state", {}).get("request_id") or "")
             log_failure(log, f"request {request_id} ({scope['method']} {scope['path']})", exc)
             if not started:
+                ctx = scope.get("state", {}).get(REQUEST_CONTEXT)
+                wire = (
+                    ctx.wire
+                    if isinstance(ctx, RequestContext)
+                    else self.routes.wire(scope["method"], scope["path"])
+                )
+                failure = InternalError(f"internal error (request id {request_id})")
+                status, body = wire.error_body(failure)
                 response = Response(
-                    internal_error_body(request_id),
-                    status_code=500,
+                    body,
+                    status_code=status,
                     media_type="application/json",
-                    headers={"x-request-id": request_id, "x-should-retry": "false"},
+                    headers=error_headers(wire, failure, request_id),
                 )
                 await response(scope, receive, send)
             elif not ended:

@@ -2,7 +2,7 @@
 (`--body-timeout`).
 
 A pure ASGI middleware: a declared `content-length` over the cap is answered 413 at once, without
-reading a byte, in the route's wire's shape (`wire.route_wire`); a chunked body is counted as it arrives
+reading a byte, in the route's wire's shape (`RouteMap.wire`); a chunked body is counted as it arrives
 and refused when it passes the cap; each body read waits at most `body_timeout` seconds for the next
 piece (a client trickling its body is answered 408, as nginx's `client_body_timeout` does). Both raise
 typed errors from the handler's own `receive`, so the one error mapping (api/error_responses.py) writes
@@ -16,7 +16,8 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import PayloadTooLarge, RequestTimeout
-from ..wire import route_wire
+from ..traffic.routes import RouteMap
+from ..wire import error_headers
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -33,8 +34,10 @@ class RequestGuardMiddleware:
         *,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        routes: RouteMap | None = None,
     ) -> None:
         self.app = app
+        self.routes = routes or RouteMap()
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
@@ -46,7 +49,7 @@ class RequestGuardMiddleware:
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if not value.isdigit() or int(value) > limit:
-                    await _refuse_too_large(scope, send, limit)
+                    await _refuse_too_large(scope, send, limit, self.routes)
                     return
                 break
         timeout = self.body_timeout
@@ -73,9 +76,12 @@ class RequestGuardMiddleware:
         await self.app(scope, guarded_receive, send)
 
 
-async def _refuse_too_large(scope: Scope, send: Send, limit: int) -> None:
-    wire = route_wire(scope["method"], scope["path"])
-    status, body = wire.error_body(PayloadTooLarge(too_large_message(limit)))
+async def _refuse_too_large(scope: Scope, send: Send, limit: int, routes: RouteMap) -> None:
+    wire = routes.wire(scope["method"], scope["path"])
+    exc = PayloadTooLarge(too_large_message(limit))
+    status, body = wire.error_body(exc)
+    # `connection: close` among them: the unread body is still on the wire.
+    headers = error_headers(wire, exc, str(scope.get("state", {}).get("request_id") or ""))
     await send(
         {
             "type": "http.response.start",
@@ -83,9 +89,7 @@ async def _refuse_too_large(scope: Scope, send: Send, limit: int) -> None:
             "headers": [
                 (b"content-type", b"application/json"),
                 (b"content-length", str(len(body)).encode()),
-                (b"x-should-retry", b"false"),
-                # The unread body is still on the wire: the connection cannot carry another request.
-                (b"connection", b"close"),
+                *((name.encode(), value.encode()) for name, value in headers.items()),
             ],
         }
     )

@@ -12,15 +12,14 @@ from ..errors import InvalidRequest, NotFound
 from ..storage.base import StoredConversation
 from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
-from ..surfaces.responses.service import cancel_response, plan_responses
+from ..surfaces.responses.service import cancel_response
 from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
-    ResponsesRequest,
 )
 from ..wire import RESPONSES
-from .routes import gateway, json_body, json_response, new_context, owner_of, serve_pipeline, sse_response
+from .routes import gateway, json_body, json_response, new_context, owner_of, sse_response
 
 router = APIRouter()
 
@@ -50,13 +49,6 @@ def _list_body(page: Any) -> dict[str, Any]:
         "last_id": page.last_id,
         "has_more": page.has_more,
     }
-
-
-@router.post("/v1/responses")
-async def create_response(request: Request) -> Response:
-    return await serve_pipeline(
-        request, "responses", ResponsesRequest, plan_responses, ("instructions", "input"), wire=RESPONSES
-    )
 
 
 def _starting_after(request: Request) -> int:

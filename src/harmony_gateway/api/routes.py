@@ -16,10 +16,10 @@ from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealt
 from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
-from ..pipeline.drive import Planned, answer
+from ..pipeline.drive import answer
+from ..pipeline.reasoning_budget import budget_exceeded
 from ..principal import ADMIN, Principal, authenticate
-from ..surfaces.chat.run import plan_chat
-from ..surfaces.chat.types import ChatCompletionRequest
+from ..surfaces.table import SURFACES, Surface
 from ..traffic.middleware import DECODED_BODY, REQUEST_CONTEXT
 from ..types.limits import LOOP_BODY_BYTES
 from ..wire import OPENAI, Wire
@@ -150,11 +150,15 @@ def json_response(data: Any, ctx: RequestContext | None = None, status: int = 20
 
 
 def context_headers(ctx: RequestContext) -> dict[str, str]:
-    """`x-request-id`, and `x-worker`: the id of the worker that served the request (as listed by
-    /v1/workers), which the playground shows under each turn."""
-    headers = {"x-request-id": ctx.request_id}
+    """The request id as the request's wire names it (`x-request-id`; `request-id` too on Anthropic's),
+    `x-worker`: the id of the worker that served the request (as listed by /v1/workers), which the
+    playground shows under each turn, and `x-reasoning-truncated` when a reasoning budget cut the
+    analysis (known by the time a JSON body is written)."""
+    headers = ctx.wire.id_headers(ctx.request_id)
     if ctx.worker is not None:
         headers["x-worker"] = ctx.worker.id
+    if budget_exceeded(ctx):
+        headers["x-reasoning-truncated"] = "true"
     return headers
 
 
@@ -210,41 +214,50 @@ async def run_logged(ctx: RequestContext, coro: Any) -> Any:
         raise
 
 
-async def _planned_answer(ctx: RequestContext, planned: Awaitable[Planned]) -> Any:
-    return await answer(ctx, await planned)
-
-
-async def serve_pipeline(
-    request: Request,
-    route: str,
-    schema: type[BaseModel],
-    plan: Callable[[GatewayState, Any, RequestContext], Awaitable[Planned]],
-    prompt_fields: tuple[str, ...] = (),
-    *,
-    wire: Wire,
-) -> Response:
-    """The shape every generating route shares: context on its `wire`, body, validation, the pipeline,
-    then a JSON body (a dict or list) or an SSE stream. `prompt_fields` are logged only with
-    --log-prompts."""
+async def serve_surface(request: Request, surface: Surface) -> Response:
+    """The one endpoint of every generating route: context on the surface's wire, body, validation, the
+    surface's plan answered by the driver, then a JSON body (a dict or list) or an SSE stream. Errors
+    propagate to the app's handlers, which answer them on the request's wire. The surface's
+    `prompt_fields` are logged only with --log-prompts."""
     state = gateway(request)
-    ctx = new_context(request, route, state, wire=wire)
+    ctx = new_context(request, surface.name, state, wire=surface.wire)
     body = await json_body(request)
     if state.settings.log_prompts:
-        for field in prompt_fields:
+        for field in surface.prompt_fields:
             if body.get(field) is not None:
                 ctx.log_extra[field] = body[field]
                 tracing.annotate_prompt(field, body[field])
-    validated = await validate_body(schema, body, request)
-    result = await run_logged(ctx, _planned_answer(ctx, plan(state, validated, ctx)))
+    validated = await validate_body(surface.request, body, request)
+    result = await run_logged(ctx, _planned_answer(state, surface, validated, ctx))
     if isinstance(result, (dict, list)):
         finish_request(ctx)
         return json_response(result, ctx)
     return sse_response(result, ctx)
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    return await serve_pipeline(request, "chat", ChatCompletionRequest, plan_chat, ("messages",), wire=OPENAI)
+async def _planned_answer(state: GatewayState, surface: Surface, request: Any, ctx: RequestContext) -> Any:
+    return await answer(ctx, await surface.plan(state, request, ctx))
+
+
+def surface_endpoint(surface: Surface) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        return await serve_surface(request, surface)
+
+    endpoint.__name__ = f"create_{surface.name}"
+    return endpoint
+
+
+#: The generating routes, one per row of the surface table (called straight from the ASGI stack by
+#: `api/direct_routes.py`; registered here for every other method and for the OpenAPI spec).
+surface_router = APIRouter()
+for _surface in SURFACES:
+    surface_router.add_api_route(
+        _surface.path,
+        surface_endpoint(_surface),
+        methods=["POST"],
+        name=_surface.name,
+        summary=_surface.summary,
+    )
 
 
 @router.get("/v1/models")

@@ -1,6 +1,6 @@
 """The surface table: one row per API surface, the only place that lists them.
 
-A row names the surface's route and request type and points at its plan (request -> a
+A row names the surface's route, request type and wire, and points at its plan (request -> a
 `pipeline.drive.Generation` the driver answers) and, when the inspector can show it, its inspection
 (request -> the prepared prompt, not dispatched). The edge builds the routes, the OpenAPI request
 bodies, traffic control's generating routes and the inspector's choices from these rows, and the
@@ -17,6 +17,8 @@ from pydantic import BaseModel
 
 from ..pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ..pipeline.drive import Planned
+from ..traffic.routes import RouteMap
+from ..wire import ANTHROPIC, OPENAI, RESPONSES, Wire
 from .chat.run import inspect_chat, plan_chat
 from .chat.types import ChatCompletionRequest
 from .completions.run import plan_completions
@@ -45,7 +47,11 @@ class Surface:
     prompt_fields: tuple[str, ...]
     #: One line for the OpenAPI operation.
     summary: str
+    #: What its errors look like, before the first byte and at the end of a stream.
+    wire: Wire
     inspect: Inspect | None = None
+    #: Other routes (method, path) of the surface that answer on its wire.
+    also: tuple[tuple[str, str], ...] = ()
 
 
 SURFACES: tuple[Surface, ...] = (
@@ -56,6 +62,7 @@ SURFACES: tuple[Surface, ...] = (
         plan_chat,
         ("messages",),
         "Create a chat completion (OpenAI Chat Completions)",
+        OPENAI,
         inspect_chat,
     ),
     Surface(
@@ -65,6 +72,7 @@ SURFACES: tuple[Surface, ...] = (
         plan_responses,
         ("instructions", "input"),
         "Create a response (OpenAI Responses API)",
+        RESPONSES,
         inspect_responses,
     ),
     Surface(
@@ -74,7 +82,9 @@ SURFACES: tuple[Surface, ...] = (
         plan_messages,
         ("messages",),
         "Create a message (Anthropic Messages API)",
+        ANTHROPIC,
         inspect_messages,
+        also=(("POST", "/v1/messages/count_tokens"),),
     ),
     Surface(
         "completions",
@@ -83,6 +93,7 @@ SURFACES: tuple[Surface, ...] = (
         plan_completions,
         ("prompt",),
         "Create a completion (OpenAI legacy completions)",
+        OPENAI,
     ),
     Surface(
         "generate",
@@ -91,6 +102,7 @@ SURFACES: tuple[Surface, ...] = (
         plan_generate,
         ("text", "input_ids"),
         "Generate from a raw prompt or token ids (SGLang native)",
+        OPENAI,
     ),
 )
 
@@ -98,4 +110,13 @@ SURFACES: tuple[Surface, ...] = (
 BY_PATH = {surface.path: surface for surface in SURFACES}
 
 
-__all__ = ["BY_PATH", "SURFACES", "Surface"]
+def route_map() -> RouteMap:
+    """What traffic control and the error handlers know of the routes: the generating ones and the wire
+    each answers on."""
+    return RouteMap(
+        generating={surface.path: surface.wire for surface in SURFACES},
+        wires={route: surface.wire for surface in SURFACES for route in surface.also},
+    )
+
+
+__all__ = ["BY_PATH", "SURFACES", "Surface", "route_map"]

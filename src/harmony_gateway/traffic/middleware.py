@@ -3,7 +3,8 @@
 Per request, in order:
 1. the request's trace span (continuing the client's `traceparent`);
 2. routes in `traffic.routes.UNCONTROLLED` (probes, the playground's static files) go straight to the
-   app; every other route is controlled, at the cost `traffic.routes.route_cost` gives it;
+   app; every other route is controlled, at the cost `RouteMap.cost` gives it (the generating routes come
+   from the surface table);
 3. while draining: `/readiness` and every controlled request answer 503 with `retry-after`;
 4. the key's (or address's) budgets: the route's weight is taken from the request budget; a generating
    route reserves its estimated tokens (`traffic.routes.estimate_tokens`, from its body, which is read
@@ -15,7 +16,7 @@ Per request, in order:
 6. the app; as the response starts, tokens used beyond the reservation (from the request's
    `RequestContext`) are charged; the slot is released when its last byte is sent or the client
    leaves, and the reservation is settled to the real count then (what was not used is given back).
-Every refusal is answered on the route's wire (`wire.route_wire`: Anthropic's shape on the Messages
+Every refusal is answered on the route's wire (`RouteMap.wire`: Anthropic's shape on the Messages
 API); a request cut by the drain timeout ends on the wire its route set on its `RequestContext` (a
 stream with its wire's terminal frame, numbered after the last event it sent).
 A background response takes over its request's `Ticket` (`current_ticket`), holding the slot and
@@ -43,11 +44,11 @@ from ..principal import authenticate, presented_key
 from ..settings import Settings
 from ..tasks import TaskSupervisor
 from ..types.limits import LOOP_BODY_BYTES
-from ..wire import Wire, WiredRequest, route_wire
+from ..wire import Wire, WiredRequest, error_headers
 from .admission import Admission, SharedSlots, Slot
 from .keys import KeyPolicy
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
-from .routes import GENERATING_PATHS, RouteCost, estimate_tokens, route_cost
+from .routes import RouteCost, RouteMap, estimate_tokens
 
 log = logging.getLogger(__name__)
 
@@ -345,20 +346,18 @@ async def _send_error(
 ) -> None:
     status, body = wire.error_body(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
-    if request_id:
-        headers.append((b"x-request-id", request_id.encode()))
-    retry_after = exc.retry_after
-    if retry_after is not None:
-        headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
-        headers.append((b"retry-after-ms", str(int(retry_after * 1000)).encode()))
+    headers += [
+        (name.encode(), value.encode()) for name, value in error_headers(wire, exc, request_id).items()
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class TrafficMiddleware:
-    def __init__(self, app: ASGIApp, control: TrafficControl) -> None:
+    def __init__(self, app: ASGIApp, control: TrafficControl, routes: RouteMap) -> None:
         self.app = app
         self.control = control
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -379,8 +378,8 @@ class TrafficMiddleware:
     ) -> None:
         control = self.control
         request_id = scope.get("state", {}).get("request_id") or ""
-        cost = route_cost(scope["method"], path)
-        wire = route_wire(scope["method"], path)
+        cost = self.routes.cost(scope["method"], path)
+        wire = self.routes.wire(scope["method"], path)
         if cost is None:
             if path == "/readiness" and control.draining:
                 status[0] = 503
@@ -501,7 +500,7 @@ class _ResponseWatch:
         #: The budget headers, added to the response's headers.
         self.extra: list[tuple[bytes, bytes]] = []
         self._status = status
-        #: The wire the request's route answers on (`wire.ROUTE_WIRES`), until the route says.
+        #: The wire the request's route answers on (`RouteMap.wire`), until the route says.
         self.wire = wire
         self._scope_state = scope_state
         self._span: Any = None
@@ -636,7 +635,6 @@ async def _acquire_watching(
 
 
 __all__ = [
-    "GENERATING_PATHS",
     "Ticket",
     "TrafficControl",
     "TrafficMetrics",

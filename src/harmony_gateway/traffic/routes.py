@@ -12,10 +12,13 @@ forgetting.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.routing import compile_path
+
+from ..wire import OPENAI, Wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +47,9 @@ READ = RouteCost(requests=0.1, admission=False)
 #: Deletes or cancels: frees what others wait for, so it never waits in the admission queue itself.
 RELEASE = RouteCost(admission=False)
 
-#: Routes with a cost of their own (method, path template as registered with the app); every other
-#: route is a READ (GET, HEAD), a RELEASE (DELETE) or a WRITE.
+#: Routes with a cost of their own besides the generating ones (`RouteMap`; method, path template as
+#: registered with the app); every other route is a READ (GET, HEAD), a RELEASE (DELETE) or a WRITE.
 ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
-    ("POST", "/v1/chat/completions"): GENERATION,
-    ("POST", "/v1/completions"): GENERATION,
-    ("POST", "/v1/responses"): GENERATION,
-    ("POST", "/v1/messages"): GENERATION,
-    ("POST", "/generate"): GENERATION,
     ("POST", "/v1/harmony/render"): TOKENIZING,
     ("POST", "/v1/harmony/parse"): TOKENIZING,
     ("POST", "/v1/messages/count_tokens"): TOKENIZING,
@@ -72,11 +70,8 @@ UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
     }
 )
 
-#: The routes that run generations (their POST endpoints are called directly: api/direct_routes.py).
-GENERATING_PATHS = frozenset(path for (method, path), cost in ROUTE_COSTS.items() if cost is GENERATION)
-
 _ROWS: dict[tuple[str, str], RouteCost | None] = {**ROUTE_COSTS, **dict.fromkeys(UNCONTROLLED)}
-#: Literal paths are looked up at once (the generating routes among them); templates are matched.
+#: Literal paths are looked up at once; templates are matched.
 _LITERAL = {row: cost for row, cost in _ROWS.items() if "{" not in row[1]}
 _TEMPLATES = tuple(
     (method, compile_path(template)[0], cost) for (method, template), cost in _ROWS.items() if "{" in template
@@ -84,7 +79,8 @@ _TEMPLATES = tuple(
 
 
 def route_cost(method: str, path: str) -> RouteCost | None:
-    """The cost of `method path` (a concrete path); None for the routes in `UNCONTROLLED`."""
+    """The cost of `method path` (a concrete path) for a route that does not generate (`RouteMap.cost`
+    answers for every route); None for the routes in `UNCONTROLLED`."""
     method = "GET" if method == "HEAD" else method
     if (method, path) in _LITERAL:
         return _LITERAL[(method, path)]
@@ -92,6 +88,32 @@ def route_cost(method: str, path: str) -> RouteCost | None:
         if row_method == method and pattern.match(path):
             return cost
     return READ if method == "GET" else RELEASE if method == "DELETE" else WRITE
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMap:
+    """What traffic control knows of the app's routes that it cannot know from below them: which POST
+    routes generate, and the wire each route answers on. The app builds it from the surface table
+    (surfaces/table.py), so a new surface is controlled and answered on its wire without a line here."""
+
+    #: POST path of each generating route → the wire it answers on.
+    generating: Mapping[str, Wire] = field(default_factory=dict)
+    #: Other routes (method, path) that answer on a wire other than OpenAI's (Messages' count_tokens).
+    wires: Mapping[tuple[str, str], Wire] = field(default_factory=dict)
+
+    def cost(self, method: str, path: str) -> RouteCost | None:
+        """The cost of `method path` (a concrete path); None for the routes in `UNCONTROLLED`."""
+        if method == "POST" and path in self.generating:
+            return GENERATION
+        return route_cost(method, path)
+
+    def wire(self, method: str, path: str) -> Wire:
+        """The wire `method path` answers on before (or without) its route saying so."""
+        if method == "POST":
+            found = self.generating.get(path)
+            if found is not None:
+                return found
+        return self.wires.get((method, path), OPENAI)
 
 
 # -- token reservations ---------------------------------------------------------------------------------
@@ -131,7 +153,6 @@ def estimate_tokens(body: bytes, request: Any) -> int:
 
 
 __all__ = [
-    "GENERATING_PATHS",
     "GENERATION",
     "READ",
     "RELEASE",
@@ -140,6 +161,7 @@ __all__ = [
     "UNCONTROLLED",
     "WRITE",
     "RouteCost",
+    "RouteMap",
     "estimate_tokens",
     "route_cost",
 ]
