@@ -5,11 +5,10 @@ The SQL backend (SQLAlchemy, ~25 MB of imports) loads only when a SQL storage UR
 
 from typing import Any
 
+from ..types.limits import ConversationLimits, ConversationSize
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
-    ConversationLimits,
-    ConversationSize,
     Page,
     RecentChain,
     RecentItems,

@@ -18,7 +18,8 @@ from ...engines.base import EngineChunk
 from ...errors import GatewayError, InvalidRequest, NotFound
 from ...pipeline.context import GatewayState, RequestContext
 from ...pipeline.reasoning_budget import budget_exceeded
-from ...storage.base import CONVERSATION_TOO_LARGE, StoredResponse
+from ...storage.base import StoredResponse
+from ...types.limits import CONVERSATION_TOO_LARGE
 from .output import ResponseBuilder, ToolSlot, usage_of
 from .plan import (
     DATE_KEY,
