@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,10 +35,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
-
-if TYPE_CHECKING:
-    from ..pipeline.context import RequestContext
-    from ..routing.workers import Worker
+from .observed import ObservedRequest, ObservedWorker
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,7 +52,7 @@ def multiprocess_dir() -> str | None:
 class FleetCollector:
     """Worker gauges, collected from the fleet when Prometheus scrapes (never updated per request)."""
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+    def __init__(self, workers: Callable[[], Iterable[ObservedWorker]]) -> None:
         self._workers = workers
 
     def describe(self) -> list[Metric]:
@@ -89,7 +86,7 @@ class FleetCollector:
 class GatewayMetrics:
     """The gateway's metrics on a per-app `CollectorRegistry` (two apps in one process never collide)."""
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]] | None = None) -> None:
+    def __init__(self, workers: Callable[[], Iterable[ObservedWorker]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -220,7 +217,7 @@ class GatewayMetrics:
         elif self._fleet is not None:
             r.register(self._fleet)
 
-    def observe(self, ctx: RequestContext, now: float | None = None) -> None:
+    def observe(self, ctx: ObservedRequest, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""
         now = time.perf_counter() if now is None else now
         model = ctx.model or "unknown"
@@ -321,7 +318,7 @@ class _FleetGauges:
         )
         self._seen: set[tuple[str, ...]] = set()
 
-    def update(self, workers: Iterable[Worker]) -> None:
+    def update(self, workers: Iterable[ObservedWorker]) -> None:
         seen: set[tuple[str, ...]] = set()
         for w in workers:
             values: tuple[str, ...] = (w.id, w.url, w.kind.value, w.model_id, w.engine)
@@ -371,7 +368,7 @@ def channel_counts(parsers: Iterable[Any]) -> dict[str, int]:
     return counts
 
 
-def finish_request(ctx: RequestContext) -> None:
+def finish_request(ctx: ObservedRequest) -> None:
     """End of a request: record its metrics (when the app has metrics) and log its one line. Idempotent."""
     if ctx.finished:
         return
