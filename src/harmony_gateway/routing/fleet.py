@@ -10,17 +10,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
 from .policy import RoutingPolicy
 from .workers import Worker, WorkerKind
 
-if TYPE_CHECKING:
-    from .shared_registry import SharedWorkers
-
 log = logging.getLogger(__name__)
+
+
+class SharedRegistry(Protocol):
+    """The worker registry shared with the other `serve --workers N` processes
+    (`shared_registry.SharedWorkers`, which builds on the fleet and so is named here only by its shape).
+    `run` and `run_health` belong in the lifespan task group; `close` ends them."""
+
+    async def run(self) -> None: ...
+    async def run_health(self) -> None: ...
+    async def close(self) -> None: ...
+    async def sync(self) -> None: ...
+    async def publish(self, worker: Worker) -> None: ...
+    async def remove(self, worker_id: str) -> Worker: ...
 
 
 @dataclass(eq=False)
@@ -78,7 +88,7 @@ class Fleet:
         #: registry need ids that are unique across them (routing/shared_registry.py).
         self.new_worker_id: Callable[[], str] | None = None
         #: The registry shared with the other `serve --workers N` processes, when there is one.
-        self.shared: SharedWorkers | None = None
+        self.shared: SharedRegistry | None = None
 
     # -- membership ------------------------------------------------------------------------------
     def create_worker(
