@@ -7,6 +7,7 @@ health checker, so the gateway can start before its engines.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,7 +67,9 @@ class ModelGroup:
 
 
 class Fleet:
-    """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group."""
+    """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group;
+    `admit` gives a worker without an engine of its own `default_engine`, and every worker it admits the
+    circuit-breaker cooldown `breaker_cooldown`."""
 
     def __init__(
         self,
@@ -75,12 +78,16 @@ class Fleet:
         harmony_models: frozenset[str] = frozenset(),
         connect_timeout: float = 10.0,
         health_timeout: float = 2.0,
+        default_engine: str = "auto",
+        breaker_cooldown: float = 30.0,
     ) -> None:
         self._client_factory = client_factory
         self._policy_factory = policy_factory
         self._harmony_models = harmony_models
         self._connect_timeout = connect_timeout
         self._health_timeout = health_timeout
+        self._default_engine = default_engine
+        self._breaker_cooldown = breaker_cooldown
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
         self.on_worker_removed: list[Callable[[Worker], None]] = []
@@ -109,6 +116,31 @@ class Fleet:
             worker.id = worker_id
         self.workers[worker.id] = worker
         return worker
+
+    async def admit(
+        self,
+        url: str,
+        kind: WorkerKind = WorkerKind.REGULAR,
+        engine: str | None = None,
+        worker_id: str | None = None,
+    ) -> Worker:
+        """Register a worker and probe it; it takes traffic only once a probe succeeded. Raises Conflict
+        when the URL is registered with that kind already; an unreachable worker is kept, unhealthy."""
+        worker = self.create_worker(url, kind, engine or self._default_engine, worker_id)
+        worker.breaker_cooldown = self._breaker_cooldown
+        await self.probe(worker)
+        if worker.healthy and kind is WorkerKind.PREFILL:
+            await self._learn_bootstrap_port(worker)
+        return worker
+
+    async def _learn_bootstrap_port(self, worker: Worker) -> None:
+        if not worker.client.capabilities.server_info:
+            return
+        with contextlib.suppress(Exception):
+            args = await worker.client.server_info(timeout=self._connect_timeout)
+            port = args.get("disaggregation_bootstrap_port")
+            if port:
+                worker.bootstrap_port = int(port)
 
     async def probe(self, worker: Worker) -> bool:
         """Learn the worker's model (once) and check its health; attach it to its model group."""
