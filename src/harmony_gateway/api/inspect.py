@@ -47,7 +47,6 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import HarmonyTextParser
 from ..pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ..pipeline.select_worker import routing_request
-from ..routing.fleet import ModelGroup
 from ..routing.policy import RoutingPolicy, RoutingRequest
 from ..surfaces.chat.mapper import prepare_chat
 from ..surfaces.chat.types import ChatCompletionRequest
@@ -484,43 +483,3 @@ def _parse_stripped(text: str) -> dict[str, Any]:
         "recoveries": recoveries,
         "terminated": terminated,
     }
-
-
-# -- offline (the `render` command) --------------------------------------------------------------------
-async def render_offline(settings: Any, payload: Any) -> dict[str, Any]:
-    """`render_request` without a running gateway or engine: the request's model is taken as a Harmony
-    model with no workers (routing names none) and an unknown context length; stored responses and
-    conversations are not available. MCP tools naming a `server_url` are refused, as by the route."""
-    from ..app import build_state
-    from ..engines.base import ModelInfo
-    from ..mcp.pool import open_mcp_pool
-    from ..routing.registry import create_policy
-    from ..storage import open_store
-
-    if not isinstance(payload, dict):
-        raise InvalidRequest('the file must hold a JSON object: {"api": ..., "request": {...}}')
-    request = payload.get("request")
-    model = request.get("model") if isinstance(request, dict) else None
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("the request must name its model", param="request.model")
-    state = build_state(settings)
-    policy = settings.model_policies.get(model, settings.policy)
-    state.fleet.groups[model] = ModelGroup(
-        name=model,
-        harmony=True,
-        info=ModelInfo(served_model_name=model),
-        policy=create_policy(policy, **settings.policy_options(policy)),
-        prefill_policy=None,
-        decode_policy=None,
-    )
-    state.store = open_store("memory://")
-    await state.store.start()
-    try:
-        async with open_mcp_pool(settings) as state.mcp:
-            ctx = RequestContext(request_id="render", route="harmony_render")
-            # The operator at a terminal is the admin; offline there are no workers to show anyway.
-            result = await render_request(state, payload.get("api"), request, ctx, fleet=True)
-    finally:
-        await state.store.close()
-    result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")
-    return result

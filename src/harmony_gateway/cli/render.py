@@ -67,7 +67,7 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
     if args.gateway:
         return await _render_remotely(args.gateway, args.api_key, payload)
     # lazy: offline rendering builds the request pipeline (FastAPI schemas, storage, MCP)
-    from ..api.inspect import render_offline
+    from .offline_render import render_offline
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
     try:
