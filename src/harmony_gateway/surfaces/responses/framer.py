@@ -29,9 +29,14 @@ from .plan import (
     redacted_tools,
     token_texts,
 )
-from .service.runner import ACTIVE_STATUSES, RUNNER_KEY
 
 log = logging.getLogger(__name__)
+
+#: Private `StoredResponse.metadata` key of a background response: the process running it
+#: (`service.runner.default_runner_id`), so a restarted process finds the work it left behind.
+RUNNER_KEY = "_runner"
+#: Statuses a background response may still leave (a cancel or its own ending moves it on).
+ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 #: Recorded events of a background response, published as they form (`events.EventFeed.publish`).
 Publish = Callable[[list[tuple[dict[str, Any], bytes]]], Awaitable[None]]

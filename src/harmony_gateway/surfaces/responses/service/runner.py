@@ -21,18 +21,16 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-log = logging.getLogger(__name__)
+from ....traffic.middleware import current_ticket
+from ..framer import ACTIVE_STATUSES, RUNNER_KEY
 
-RUNNER_KEY = "_runner"
+log = logging.getLogger(__name__)
 
 #: How often the watcher of a running background response reads its stored status (one small query).
 CANCEL_POLL_SECONDS = 0.25
 
 #: Tasks settling finished background responses' admission tickets (kept referenced until done).
 _SETTLING: set[asyncio.Task[None]] = set()
-
-#: Statuses a background response may still leave (a cancel or its own ending moves it on).
-ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 
 def default_runner_id(port: int) -> str:
@@ -97,8 +95,6 @@ class BackgroundRunner:
     def _hold_admission(self, task: asyncio.Task[None]) -> None:
         # The request's admission slot and token budget go with the response: the slot is held, and
         # the tokens charged, until the background task ends, not when the HTTP request returns.
-        from ....traffic.middleware import current_ticket
-
         ticket = current_ticket.get()
         if ticket is None:
             return
