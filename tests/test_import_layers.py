@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "types": 0,
     "principal": 0,
     "settings": 0,
+    "netguard": 0,
     "": 0,
 }
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest
-from ..mcp.security import HostAllowList
+from ..netguard import HostAllowList
 from ..routing.shared_registry import publish_worker, remove_worker, sync_workers
 from ..routing.url_policy import check_worker_url
 from ..routing.workers import WorkerKind
