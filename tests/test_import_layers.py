@@ -223,17 +223,27 @@ def test_imports_within_a_layer_form_no_cycle() -> None:
     assert not cycles, "modules importing each other:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
+def says_why_lazy(edge: Import, lines: list[str], import_lines: set[int]) -> bool:
+    """A `# lazy:` comment on the import itself, or on the line above it; a run of consecutive imports
+    (several names from one optional dependency) shares the comment above its first line."""
+    first = edge.line
+    while first - 1 in import_lines:
+        first -= 1
+    above = lines[first - 2] if first >= 2 else ""
+    return any(LAZY_MARKER in line for line in [above, *lines[edge.line - 1 : edge.end_line]])
+
+
 def test_function_level_imports_say_why_they_are_lazy() -> None:
+    lazy = [edge for edge in all_imports() if edge.in_function and top_level(edge.importer) != SIMULATOR]
+    import_lines: dict[Path, set[int]] = {}
+    for edge in lazy:
+        import_lines.setdefault(edge.path, set()).update(range(edge.line, edge.end_line + 1))
     unmarked = []
-    for edge in all_imports():
-        if not edge.in_function or top_level(edge.importer) == SIMULATOR:
-            continue
-        lines = edge.path.read_text().splitlines()[max(edge.line - 2, 0) : edge.end_line]
-        if any(LAZY_MARKER in line for line in lines):
-            continue
+    for edge in lazy:
         if (edge.importer, edge.imported) in ALLOWED_UNMARKED_LAZY:
             continue
-        unmarked.append(f"{location(edge)}: {edge.importer} imports {edge.imported}")
+        if not says_why_lazy(edge, edge.path.read_text().splitlines(), import_lines[edge.path]):
+            unmarked.append(f"{location(edge)}: {edge.importer} imports {edge.imported}")
     assert not unmarked, f"function-level imports without a {LAZY_MARKER!r} reason:\n" + "\n".join(unmarked)
 
 

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import anyio
+import quicktok
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
@@ -251,8 +252,6 @@ def prompt_views(state: GatewayState, prepared: PreparedRequest) -> dict[str, An
 def token_pieces(state: GatewayState, ids: list[int]) -> list[list[Any]]:
     """[id, text] per token: special tokens by name, ordinary ones as their bytes (a partial UTF-8
     sequence shows as U+FFFD; the full text is in `prompt_text`)."""
-    import quicktok
-
     token_bytes = quicktok.get_encoding("o200k_base").decode_single_token_bytes
     decode = state.encoding.decode
     return [[i, decode([i]) if is_special(i) else token_bytes(i).decode("utf-8", "replace")] for i in ids]

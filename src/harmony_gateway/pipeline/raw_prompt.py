@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import quicktok
 
 from ..engines.base import EngineChunk, SamplingOptions, take_counts
 from ..errors import InvalidRequest
@@ -122,8 +123,6 @@ def decode_all(decoder: Decoder, token_ids: Sequence[int]) -> str:
 
 @functools.cache
 def _token_bytes() -> Callable[[int], bytes]:
-    import quicktok
-
     return quicktok.get_encoding("o200k_base").decode_single_token_bytes  # type: ignore[no-any-return]
 
 
