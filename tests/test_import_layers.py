@@ -224,13 +224,17 @@ def test_imports_within_a_layer_form_no_cycle() -> None:
 
 
 def says_why_lazy(edge: Import, lines: list[str], import_lines: set[int]) -> bool:
-    """A `# lazy:` comment on the import itself, or on the line above it; a run of consecutive imports
-    (several names from one optional dependency) shares the comment above its first line."""
+    """A `# lazy:` comment on the import itself or in the comment just above it; a run of consecutive
+    imports (several names from one optional dependency) shares the comment above its first line."""
     first = edge.line
     while first - 1 in import_lines:
         first -= 1
-    above = lines[first - 2] if first >= 2 else ""
-    return any(LAZY_MARKER in line for line in [above, *lines[edge.line - 1 : edge.end_line]])
+    comment = []
+    above = first - 1
+    while above >= 1 and lines[above - 1].lstrip().startswith("#"):
+        comment.append(lines[above - 1])
+        above -= 1
+    return any(LAZY_MARKER in line for line in [*comment, *lines[edge.line - 1 : edge.end_line]])
 
 
 def test_function_level_imports_say_why_they_are_lazy() -> None:

@@ -246,7 +246,7 @@ def tokenizer_from_files(files: Mapping[str, bytes], source: str) -> ModelTokeni
     if "tokenizer.json" not in files:
         raise UpstreamError(f"no tokenizer.json in {source}")
     try:
-        from tokenizers import Tokenizer  # only models served with a chat template need it
+        from tokenizers import Tokenizer  # lazy: only models served with a chat template need it (~5 MB)
 
         tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode())
     except Exception as exc:
