@@ -1,8 +1,9 @@
 """The gateway's import graph is a DAG in layers: a module imports its own layer or a lower one, never a
-higher one; the imports within a layer have no cycle; and a function-level import exists only for an
-optional heavy dependency, marked `# lazy: <why>` on its line or the line before. Every import counts:
-module-level, function-level and under `if TYPE_CHECKING:` (a type-only cycle is still a cycle in the
-design). The modules are parsed, not imported, so the test sees what `import` statements say."""
+higher one; the imports within a layer have no cycle (counting the package `__init__` an import runs
+first); and a function-level import exists only for an optional heavy dependency, marked `# lazy: <why>`
+on its line or in the comment just above it. Every import counts: module-level, function-level and
+under `if TYPE_CHECKING:` (a type-only cycle is still a cycle in the design). The modules are parsed,
+not imported, so the test sees what the `import` statements say."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ LAYERS: dict[str, int] = {
 SIMULATOR = "sim"
 MAY_IMPORT_SIMULATOR = {"cli", SIMULATOR}
 
-# Edges that break the order in modules being reworked elsewhere (the `Wire` value replaces the
+# Edges that break the order in modules being reworked on other branches (the `Wire` value replaces the
 # middleware's use of `api.wire_errors`; the typed app state replaces the context's reference to the
 # background runner). Delete each entry once its edge is gone; the last test fails while one is stale.
 ALLOWED_UPWARD_EDGES: frozenset[tuple[str, str]] = frozenset(
