@@ -41,7 +41,7 @@ from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy
 from .routing.shared_registry import SharedWorkers
-from .routing.workers import Worker, WorkerKind
+from .routing.workers import WorkerKind
 from .settings import Settings
 from .storage import default_storage_url, open_store
 from .surfaces.responses.service.runner import BackgroundRunner, default_runner_id, fail_interrupted
@@ -93,6 +93,8 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         harmony_models=settings.harmony_models,
         connect_timeout=settings.timeouts.connect,
         health_timeout=settings.health_timeout,
+        default_engine=settings.engine,
+        breaker_cooldown=settings.breaker_cooldown,
     )
     health = HealthConfig(
         interval=settings.health_interval,
@@ -122,28 +124,6 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         background=BackgroundRunner(default_runner_id(settings.port), tasks),
         tasks=tasks,
     )
-
-
-async def add_worker(
-    state: GatewayState, url: str, kind: WorkerKind, engine: str | None = None, worker_id: str | None = None
-) -> Worker:
-    """Register a worker and probe it; it takes traffic only once a probe succeeded."""
-    worker = state.fleet.create_worker(url, kind, engine or state.settings.engine, worker_id)
-    worker.breaker_cooldown = state.health_config.breaker_cooldown
-    await state.fleet.probe(worker)
-    if worker.healthy and kind is WorkerKind.PREFILL:
-        await _learn_bootstrap_port(state, worker)
-    return worker
-
-
-async def _learn_bootstrap_port(state: GatewayState, worker: Worker) -> None:
-    if not worker.client.capabilities.server_info:
-        return
-    with contextlib.suppress(Exception):
-        args = await worker.client.server_info(timeout=state.settings.timeouts.connect)
-        port = args.get("disaggregation_bootstrap_port")
-        if port:
-            worker.bootstrap_port = int(port)
 
 
 async def _purge_expired(state: GatewayState) -> None:
@@ -193,7 +173,7 @@ def create_app(settings: Settings) -> FastAPI:
             ]
             async with anyio.create_task_group() as tg:
                 for url, kind in initial:
-                    tg.start_soon(add_worker, gw, url, kind)
+                    tg.start_soon(gw.fleet.admit, url, kind)
             _release_freed_memory()
             checker = HealthChecker(gw.fleet.all_workers, gw.health_config)
             if settings.processes > 1:
@@ -202,7 +182,7 @@ def create_app(settings: Settings) -> FastAPI:
                     gw.fleet,
                     gw.store,
                     checker,
-                    lambda url, kind, engine, worker_id: add_worker(gw, url, kind, engine, worker_id),
+                    gw.fleet.admit,
                     default_runner_id(settings.port),
                     after_sync=gw.metrics.refresh_fleet,
                 )

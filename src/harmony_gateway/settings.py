@@ -5,8 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS, ConversationLimits
-from .traffic.keys import KeyPolicy
+from .types.limits import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS, ConversationLimits
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPolicy:
+    """One API key's own limits, priority and tenant, from its line in the key file (traffic/keys.py);
+    None leaves the command-line default."""
+
+    rate_limit: int | None = None
+    token_rate_limit: int | None = None
+    priority: int | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +144,7 @@ class Settings:
     token_rate_limit: int | None = None
     #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
     rate_limit_store: str | None = None
-    #: Key file entries with their own limits and priority (`traffic.keys.KeyPolicy`), by key.
+    #: Key file entries with their own limits and priority (`KeyPolicy`), by key.
     key_policies: dict[str, KeyPolicy] = field(default_factory=dict)
     #: SIGTERM: seconds in-flight requests may take to finish before they are cut.
     drain_timeout: float = 30.0

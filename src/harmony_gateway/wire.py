@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import orjson
 
 from .errors import GatewayError, InternalError, PayloadTooLarge, RequestTimeout
-from .pipeline.sse import DONE, data_frame, event_frame
+from .sse import DONE, data_frame, event_frame
 
 
 @dataclass(frozen=True, slots=True)

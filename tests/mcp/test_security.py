@@ -8,7 +8,8 @@ import pytest
 
 from harmony_gateway.errors import InvalidRequest
 from harmony_gateway.mcp.client import McpServerUnavailable
-from harmony_gateway.mcp.security import HostAllowList, check_server_url, is_public
+from harmony_gateway.mcp.security import check_server_url
+from harmony_gateway.netguard import HostAllowList, is_public
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,8 @@ import sys
 import time
 
 from harmony_gateway.storage import MemoryStore, StoredResponse
-from harmony_gateway.surfaces.responses.service.runner import (
-    RUNNER_KEY,
-    default_runner_id,
-    fail_interrupted,
-    orphaned,
-)
+from harmony_gateway.surfaces.responses.framer import RUNNER_KEY
+from harmony_gateway.surfaces.responses.service.runner import default_runner_id, fail_interrupted, orphaned
 
 
 def _dead_pid() -> int:

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import anyio
+import quicktok
 
 from ..errors import InvalidRequest, NoHealthyWorker, UpstreamBadOutput
 from ..harmony import token_parser as tp
@@ -47,7 +48,6 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import HarmonyTextParser
 from ..pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ..pipeline.select_worker import routing_request
-from ..routing.fleet import ModelGroup
 from ..routing.policy import RoutingPolicy, RoutingRequest
 from ..surfaces.table import SURFACES
 
@@ -203,8 +203,6 @@ def prompt_views(state: GatewayState, prepared: PreparedRequest) -> dict[str, An
 def token_pieces(state: GatewayState, ids: list[int]) -> list[list[Any]]:
     """[id, text] per token: special tokens by name, ordinary ones as their bytes (a partial UTF-8
     sequence shows as U+FFFD; the full text is in `prompt_text`)."""
-    import quicktok
-
     token_bytes = quicktok.get_encoding("o200k_base").decode_single_token_bytes
     decode = state.encoding.decode
     return [[i, decode([i]) if is_special(i) else token_bytes(i).decode("utf-8", "replace")] for i in ids]
@@ -432,41 +430,3 @@ def _parse_stripped(text: str) -> dict[str, Any]:
         "recoveries": recoveries,
         "terminated": terminated,
     }
-
-
-# -- offline (the `render` command) --------------------------------------------------------------------
-async def render_offline(state: GatewayState, payload: Any) -> dict[str, Any]:
-    """`render_request` without a running gateway or engine, on a `state` not started (the `render`
-    command builds it with in-memory storage): the request's model is taken as a Harmony model with no
-    workers (routing names none) and an unknown context length; stored responses and conversations are
-    not available. MCP tools naming a `server_url` are refused, as by the route."""
-    from ..engines.base import ModelInfo
-    from ..routing.registry import create_policy
-
-    if not isinstance(payload, dict):
-        raise InvalidRequest('the file must hold a JSON object: {"api": ..., "request": {...}}')
-    request = payload.get("request")
-    model = request.get("model") if isinstance(request, dict) else None
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("the request must name its model", param="request.model")
-    settings = state.settings
-    policy = settings.model_policies.get(model, settings.policy)
-    state.fleet.groups[model] = ModelGroup(
-        name=model,
-        harmony=True,
-        info=ModelInfo(served_model_name=model),
-        policy=create_policy(policy, **settings.policy_options(policy)),
-        prefill_policy=None,
-        decode_policy=None,
-    )
-    await state.store.start()
-    try:
-        async with state.mcp:
-            ctx = RequestContext(request_id="render", route="harmony_render")
-            # The operator at a terminal is the admin; offline there are no workers to show anyway.
-            result = await render_request(state, payload.get("api"), request, ctx, fleet=True)
-    finally:
-        await state.tasks.aclose()
-        await state.store.close()
-    result["notes"].append("rendered offline: no engine was asked, so no worker and no context length")
-    return result

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest
-from ..mcp.security import HostAllowList
+from ..netguard import HostAllowList
 from ..routing.shared_registry import publish_worker, remove_worker, sync_workers
 from ..routing.url_policy import check_worker_url
 from ..routing.workers import WorkerKind
@@ -46,9 +46,6 @@ async def list_workers(request: Request) -> Response:
 
 @router.post("/workers")
 async def create_worker(request: Request) -> Response:
-    # app.py owns worker admission (probe, bootstrap port); imported here because app.py mounts this router.
-    from ..app import add_worker
-
     state = gateway(request)
     require_admin(state.settings, request)
     body = await json_body(request)
@@ -65,7 +62,7 @@ async def create_worker(request: Request) -> Response:
             f"unknown worker kind {kind_name!r}; expected one of {_KINDS}", param="kind"
         ) from None
     engine = _field(body, "engine")
-    worker = await add_worker(state, url, kind, engine)
+    worker = await state.fleet.admit(url, kind, engine)
     await publish_worker(state.fleet, worker)
     return json_response(worker.to_dict(), status=201)
 

@@ -67,12 +67,11 @@ async def _render(args: argparse.Namespace, payload: Any) -> dict[str, Any]:
     if args.gateway:
         return await _render_remotely(args.gateway, args.api_key, payload)
     # lazy: offline rendering builds the request pipeline (FastAPI schemas, storage, MCP)
-    from ..api.inspect import render_offline
-    from ..app import build_state
+    from .offline_render import render_offline
 
     settings = Settings(conversation_start_date=args.conversation_start_date, storage_url="memory://")
     try:
-        return await render_offline(build_state(settings), payload)
+        return await render_offline(settings, payload)
     except (GatewayError, ValidationError, BaseExceptionGroup) as exc:
         raise RenderFailed(_render_error(exc)) from None
 

@@ -22,8 +22,8 @@ from ..pipeline.output_parsers.registry import validate_parser_names
 from ..routing.cache_aware import CacheAwarePolicy
 from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
-from ..storage.base import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
 from ..traffic.keys import KeyPolicy, read_key_file
+from ..types.limits import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
 from .common import ENGINE_PROTOCOLS, pairs, positive_int, run_until_interrupted, split_list
 
 if TYPE_CHECKING:

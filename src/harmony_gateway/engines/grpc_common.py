@@ -17,6 +17,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2
 
 from ..errors import InvalidRequest, UpstreamError
+from ..observability.tracing import grpc_metadata
 from .base import (
     EngineCapabilities,
     EngineChunk,
@@ -41,8 +42,6 @@ CHANNEL_OPTIONS = [
 def call_metadata() -> tuple[tuple[str, str], ...] | None:
     """Metadata for an engine call: the W3C trace context (`traceparent`), which SGLang and vLLM read,
     while tracing is on; None otherwise."""
-    from ..observability.tracing import grpc_metadata
-
     return grpc_metadata()
 
 

@@ -41,7 +41,7 @@ def create_client(url: str, engine: str = "auto", *, request_timeout: float = 18
         return cls(url, request_timeout=request_timeout)  # type: ignore[call-arg]
     if url.startswith(("http://", "https://")):
         # An OpenAI-compatible server, in text mode (engines/http_upstream.py); `engine` does not apply.
-        # Imported here: httpx (and the CLI extras it pulls in) costs ~20 MB a gRPC-only gateway never uses.
+        # lazy: httpx (and the CLI extras it pulls in) costs ~20 MB a gRPC-only gateway never uses
         from .http_upstream import HttpUpstreamClient
 
         return HttpUpstreamClient(url, request_timeout=request_timeout)

@@ -15,9 +15,10 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
+import quicktok
 from openai_harmony import (
     Conversation,
     HarmonyEncoding,
@@ -28,10 +29,8 @@ from openai_harmony import (
 )
 
 from ..errors import InvalidRequest, is_panic
+from .messages import Msg, PromptPrefix, developer_message
 from .vocab import VocabularyUnavailable, ensure_vocab_env
-
-if TYPE_CHECKING:
-    from .messages import Msg, PromptPrefix
 
 START = 200006
 CHANNEL = 200005
@@ -97,8 +96,6 @@ class PromptRenderer:
     _SENTINEL = "\u00a7"  # a single-token text whose encoding never merges with the frame around it
 
     def __init__(self, encoding: HarmonyEncoding | None = None, cache_size: int = 512) -> None:
-        import quicktok
-
         self._encoding = encoding or get_encoding()
         self._quicktok: Callable[[str], list[int]] = quicktok.get_encoding("o200k_base").encode_ordinary
         self._prefix_cache: OrderedDict[Hashable, list[int]] = OrderedDict()
@@ -191,8 +188,6 @@ class PromptRenderer:
         """openai-harmony refused the system/developer messages: name the tool whose schema it cannot
         render (e.g. one nested past its recursion limit), found by rendering each tool on its own;
         else the instructions are at fault."""
-        from .messages import developer_message
-
         for tool in prefix.all_tools():
             message = developer_message(None, [tool])
             assert message is not None

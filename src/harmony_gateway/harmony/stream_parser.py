@@ -18,6 +18,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import NamedTuple
 
+import quicktok
 from openai_harmony import HarmonyEncoding, HarmonyError, Role, StreamState
 
 from .encoding import CALL, END, FIRST_SPECIAL_ID, MESSAGE, RETURN, START, VOCAB_SIZE
@@ -56,8 +57,6 @@ class _Header(NamedTuple):
 def token_bytes() -> Callable[[int], bytes]:
     """The bytes of one ordinary token (quicktok's o200k_base, byte-identical to the Harmony vocabulary):
     ~0.4 µs a call; a table of all ranks would save ~0.3 µs a token for ~20 MB per process."""
-    import quicktok
-
     decode: Callable[[int], bytes] = quicktok.get_encoding("o200k_base").decode_single_token_bytes
     return decode
 

@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import quicktok
+
 VOCAB_FILE = "o200k_base.tiktoken"
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 ORDINARY_RANKS = 199998
@@ -41,8 +43,6 @@ def _sha256_of(path: Path) -> str:
 
 def render_vocab_bytes() -> bytes:
     """The o200k_base.tiktoken file, rebuilt from quicktok: `base64(bytes) rank\\n` for every ordinary rank."""
-    import quicktok
-
     enc = quicktok.get_encoding("o200k_base")
     lines = [
         base64.b64encode(enc.decode_single_token_bytes(rank)).decode("ascii") + " " + str(rank) + "\n"

@@ -201,6 +201,7 @@ class McpConnection:
     def _transport(self, kind: str) -> contextlib.AbstractAsyncContextManager[Any]:
         server = self.server
         if kind == "stdio":
+            # lazy: the MCP SDK (~30 MB, 0.3 s) loads with the first MCP connection, never without one
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
             assert server.command is not None
@@ -210,7 +211,7 @@ class McpConnection:
             return stdio_client(params)
         assert server.url is not None
         if kind == "sse":
-            from mcp.client.sse import sse_client
+            from mcp.client.sse import sse_client  # lazy: the MCP SDK, with the first MCP connection
 
             return sse_client(
                 server.url,
@@ -222,6 +223,7 @@ class McpConnection:
 
     @contextlib.asynccontextmanager
     async def _streamable_http(self, url: str, headers: dict[str, str]) -> Any:
+        # lazy: httpx2 and the MCP SDK, only for an MCP server over streamable HTTP
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
@@ -231,7 +233,7 @@ class McpConnection:
                 yield streams
 
     async def _run(self) -> None:
-        from mcp.client.session import ClientSession
+        from mcp.client.session import ClientSession  # lazy: the MCP SDK, with the first MCP connection
 
         where = safe_url(self.server.url) if self.server.url else f"stdio:{self.server.command}"
         try:
@@ -296,6 +298,7 @@ class McpConnection:
                     if cursor is None:
                         page = await session.list_tools()
                     else:
+                        # lazy: the MCP SDK's types, only for a server that pages its tool list
                         from mcp_types import PaginatedRequestParams
 
                         page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor))
@@ -326,7 +329,7 @@ class McpConnection:
     @traced("gateway.mcp.call")
     async def call_tool(self, name: str, arguments: dict[str, Any], timeout: float) -> ToolResult:
         """Run one tool; raises McpToolFailed on timeout, protocol or transport errors."""
-        from mcp.shared.exceptions import MCPError
+        from mcp.shared.exceptions import MCPError  # lazy: the MCP SDK, with the first MCP connection
 
         session = self._require_session()
         try:

@@ -159,7 +159,7 @@ def parse_mcp_config(raw: Any) -> McpConfig:
 
 def load_mcp_config(path: str | Path) -> McpConfig:
     """Read and validate the file (blocking: call it at start-up, off the event loop)."""
-    import yaml
+    import yaml  # lazy: PyYAML only with --mcp-config
 
     try:
         text = Path(path).read_text(encoding="utf-8")

@@ -16,10 +16,10 @@ from typing import Any
 
 import anyio
 
+from ..netguard import HostAllowList
 from ..settings import Settings
 from .client import McpConnection, McpServerUnavailable
 from .config import McpConfig, ServerConfig, load_mcp_config
-from .security import HostAllowList
 
 log = logging.getLogger(__name__)
 

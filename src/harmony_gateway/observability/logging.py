@@ -6,12 +6,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING
 
 import orjson
 
-if TYPE_CHECKING:
-    from ..pipeline.context import RequestContext
+from .observed import ObservedRequest
 
 request_log = logging.getLogger("harmony_gateway.requests")
 
@@ -45,7 +43,7 @@ def configure_logging(level: str = "info", json_lines: bool = False) -> None:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 
-def log_request(ctx: RequestContext) -> None:
+def log_request(ctx: ObservedRequest) -> None:
     """One line per request: id, route, model, worker, status, tokens, latency (no prompt text)."""
     if not request_log.isEnabledFor(logging.INFO):
         return

@@ -21,7 +21,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,12 +34,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
-
-if TYPE_CHECKING:
-    from ..harmony.text_parser import ParserStats
-    from ..harmony.token_parser import HarmonyOutputParser
-    from ..pipeline.context import RequestContext
-    from ..routing.workers import Worker
+from .observed import ObservedParser, ObservedRequest, ObservedTextStats, ObservedWorker
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -57,7 +51,7 @@ def multiprocess_dir() -> str | None:
 class FleetCollector:
     """Worker gauges, collected from the fleet when Prometheus scrapes (never updated per request)."""
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]]) -> None:
+    def __init__(self, workers: Callable[[], Iterable[ObservedWorker]]) -> None:
         self._workers = workers
 
     def describe(self) -> list[Metric]:
@@ -91,7 +85,7 @@ class FleetCollector:
 class GatewayMetrics:
     """The gateway's metrics on a per-app `CollectorRegistry` (two apps in one process never collide)."""
 
-    def __init__(self, workers: Callable[[], Iterable[Worker]] | None = None) -> None:
+    def __init__(self, workers: Callable[[], Iterable[ObservedWorker]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -222,7 +216,7 @@ class GatewayMetrics:
         elif self._fleet is not None:
             r.register(self._fleet)
 
-    def observe(self, ctx: RequestContext, now: float | None = None) -> None:
+    def observe(self, ctx: ObservedRequest, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""
         now = time.perf_counter() if now is None else now
         model = ctx.model or "unknown"
@@ -245,7 +239,7 @@ class GatewayMetrics:
         if ctx.text_stats:
             self.observe_text_stats(ctx.text_stats)
 
-    def observe_harmony(self, parsers: Sequence[HarmonyOutputParser]) -> None:
+    def observe_harmony(self, parsers: Sequence[ObservedParser]) -> None:
         """Record one Harmony request from its output parsers (choices, or tool-loop iterations).
 
         Also called directly for work that outlives its request (background responses)."""
@@ -263,7 +257,7 @@ class GatewayMetrics:
             if parser.unexpected_order:
                 self.harmony_channel_unexpected_order.inc(parser.unexpected_order)
 
-    def observe_text_stats(self, stats: Iterable[ParserStats]) -> None:
+    def observe_text_stats(self, stats: Iterable[ObservedTextStats]) -> None:
         """Record the `ParserStats` of one request's text-level output parsers."""
         for st in stats:
             for channel, count in st.channel_messages.items():
@@ -322,7 +316,7 @@ class _FleetGauges:
         )
         self._seen: set[tuple[str, ...]] = set()
 
-    def update(self, workers: Iterable[Worker]) -> None:
+    def update(self, workers: Iterable[ObservedWorker]) -> None:
         seen: set[tuple[str, ...]] = set()
         for w in workers:
             values: tuple[str, ...] = (w.id, w.url, w.kind.value, w.model_id, w.engine)
@@ -362,7 +356,7 @@ def reap_dead_processes(directory: str) -> None:
             pass  # alive, another user's
 
 
-def channel_counts(parsers: Iterable[HarmonyOutputParser]) -> dict[str, int]:
+def channel_counts(parsers: Iterable[ObservedParser]) -> dict[str, int]:
     """Messages per Harmony channel over the parsers' output ("none" for a message without a channel)."""
     counts: dict[str, int] = {}
     for parser in parsers:
@@ -372,7 +366,7 @@ def channel_counts(parsers: Iterable[HarmonyOutputParser]) -> dict[str, int]:
     return counts
 
 
-def finish_request(ctx: RequestContext) -> None:
+def finish_request(ctx: ObservedRequest) -> None:
     """End of a request: record its metrics (when the app has metrics) and log its one line. Idempotent."""
     if ctx.finished:
         return

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -37,6 +39,7 @@ def enabled() -> bool:
 def configure(endpoint: str, service_name: str = "harmony-gateway") -> None:
     """Export spans over OTLP/HTTP to `endpoint` (a collector's base URL, e.g. http://host:4318)."""
     global _tracer, _provider
+    # lazy: the OpenTelemetry SDK and its OTLP exporter load only when --otlp-endpoint turns tracing on
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -92,8 +95,6 @@ def annotate_prompt(field: str, value: Any) -> None:
     """Record a prompt field on the request's span (callers do so only with --log-prompts)."""
     if _provider is None:
         return
-    import orjson
-
     trace.get_current_span().set_attribute(f"gateway.prompt.{field}", orjson.dumps(value).decode())
 
 
@@ -117,8 +118,6 @@ def traced(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
     """Decorate a function (sync or async) to run inside a span named `name`."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        import inspect
-
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -161,8 +160,6 @@ class TracedStore:
         value = getattr(self._store, name)
         if name.startswith("_") or not callable(value):
             return value
-        import inspect
-
         if not inspect.iscoroutinefunction(value):
             return value
 

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import quicktok
 
 from ..engines.base import EngineChunk, SamplingOptions, take_counts
 from ..errors import InvalidRequest
@@ -42,7 +43,8 @@ from .prepare import (
     SELECTION_TEXT_CHARS,
     token_budget,
 )
-from .tokenizer import ModelTokenizer, model_tokenizer
+from .tokenizer import ModelTokenizer
+from .tokenizer_cache import model_tokenizer
 
 
 # -- text of token ids --------------------------------------------------------------------------------
@@ -122,8 +124,6 @@ def decode_all(decoder: Decoder, token_ids: Sequence[int]) -> str:
 
 @functools.cache
 def _token_bytes() -> Callable[[int], bytes]:
-    import quicktok
-
     return quicktok.get_encoding("o200k_base").decode_single_token_bytes  # type: ignore[no-any-return]
 
 

@@ -1,4 +1,5 @@
-"""Tokenizers of non-Harmony models: loaded once per model and cached in `GatewayState.tokenizers`.
+"""Tokenizers of non-Harmony models, read from their files (`pipeline/tokenizer_cache.py` loads them once
+per model and keeps them in `GatewayState.tokenizers`).
 
 Sources, first that applies: the folder given with `--tokenizer MODEL=DIR`; the engine's reported
 `tokenizer_path` when it is a folder on this host; the engine's `GetTokenizer` RPC (SGLang gRPC: a zip
@@ -20,7 +21,6 @@ turn (as the Harmony renderer encodes message text between its own special token
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
@@ -31,15 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from ..errors import UpstreamError
-from .context import GatewayState
 
 if TYPE_CHECKING:
     from tokenizers import AddedToken, Tokenizer
 
-    from ..routing.fleet import ModelGroup
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 
@@ -248,7 +244,7 @@ def tokenizer_from_files(files: Mapping[str, bytes], source: str) -> ModelTokeni
     if "tokenizer.json" not in files:
         raise UpstreamError(f"no tokenizer.json in {source}")
     try:
-        from tokenizers import Tokenizer  # only models served with a chat template need it
+        from tokenizers import Tokenizer  # lazy: only models served with a chat template need it (~5 MB)
 
         tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode())
     except Exception as exc:
@@ -302,65 +298,3 @@ def load_zip(data: bytes, source: str) -> ModelTokenizer:
                 files[name] = archive.read(info)
                 depth[name] = level
     return tokenizer_from_files(files, source)
-
-
-async def _load(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
-    name = group.name
-    folder = state.settings.tokenizer_paths.get(name)
-    if folder:
-        return await anyio.to_thread.run_sync(load_folder, folder)
-    reported = group.info.tokenizer_path
-    if reported != "" and await anyio.to_thread.run_sync(os.path.isdir, reported):
-        return await anyio.to_thread.run_sync(load_folder, reported)
-    errors = []
-    for worker in group.workers:
-        if not worker.client.capabilities.tokenizer:
-            continue
-        try:
-            data = await worker.client.get_tokenizer(timeout=state.settings.timeouts.connect * 6)
-        except UpstreamError as exc:
-            errors.append(exc.message)
-            continue
-        return await anyio.to_thread.run_sync(load_zip, data, worker.public_url)
-    detail = f" ({'; '.join(errors)})" if errors else ""
-    raise UpstreamError(
-        f"no tokenizer for model {name!r}: pass --tokenizer {name}=DIR, or serve it from an engine "
-        f"that implements GetTokenizer{detail}"
-    )
-
-
-async def _load_and_keep(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
-    try:
-        tokenizer = state.tokenizers[group.name] = await _load(state, group)
-        return tokenizer
-    finally:
-        del state.tokenizer_loads[group.name]  # a failure is not kept: the next request tries again
-
-
-async def model_tokenizer(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
-    """The model's tokenizer, loaded on first use (see the module docstring)."""
-    cached = state.tokenizers.get(group.name)
-    if cached is not None:
-        return cached
-    loading = state.tokenizer_loads.get(group.name)
-    if loading is None:
-        # A task of the app's: concurrent first requests share it, and it is finished (and kept)
-        # even when they have all left.
-        loading = state.tasks.spawn(
-            _load_and_keep(state, group), name=f"tokenizer-{group.name}", awaited=True
-        )
-        state.tokenizer_loads[group.name] = loading
-    return await asyncio.shield(loading)
-
-
-__all__ = [
-    "TOKENIZER_FILES",
-    "TOKEN_BREAK",
-    "ControlTokens",
-    "ModelTokenizer",
-    "is_control",
-    "load_folder",
-    "load_zip",
-    "model_tokenizer",
-    "tokenizer_from_files",
-]

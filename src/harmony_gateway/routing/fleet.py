@@ -7,21 +7,32 @@ health checker, so the gateway can start before its engines.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
 from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
 from .policy import RoutingPolicy
 from .workers import Worker, WorkerKind
 
-if TYPE_CHECKING:
-    from .shared_registry import SharedWorkers
-
 log = logging.getLogger(__name__)
+
+
+class SharedRegistry(Protocol):
+    """The worker registry shared with the other `serve --workers N` processes
+    (`shared_registry.SharedWorkers`, which builds on the fleet and so is named here only by its shape).
+    `run` and `run_health` belong in the lifespan task group; `close` ends them."""
+
+    async def run(self) -> None: ...
+    async def run_health(self) -> None: ...
+    async def close(self) -> None: ...
+    async def sync(self) -> None: ...
+    async def publish(self, worker: Worker) -> None: ...
+    async def remove(self, worker_id: str) -> Worker: ...
 
 
 @dataclass(eq=False)
@@ -57,7 +68,9 @@ class ModelGroup:
 
 
 class Fleet:
-    """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group."""
+    """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group;
+    `admit` gives a worker without an engine of its own `default_engine`, and every worker it admits the
+    circuit-breaker cooldown `breaker_cooldown`."""
 
     def __init__(
         self,
@@ -66,6 +79,8 @@ class Fleet:
         harmony_models: frozenset[str] = frozenset(),
         connect_timeout: float = 10.0,
         health_timeout: float = 2.0,
+        default_engine: str = "auto",
+        breaker_cooldown: float = 30.0,
     ) -> None:
         self._client_factory = client_factory
         self._policy_factory = policy_factory
@@ -74,6 +89,8 @@ class Fleet:
         self._health_timeout = health_timeout
         #: When the gateway built its fleet: the `created` of every model it serves (`/v1/models`).
         self.started_at = time.time()
+        self._default_engine = default_engine
+        self._breaker_cooldown = breaker_cooldown
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
         self.on_worker_removed: list[Callable[[Worker], None]] = []
@@ -81,7 +98,7 @@ class Fleet:
         #: registry need ids that are unique across them (routing/shared_registry.py).
         self.new_worker_id: Callable[[], str] | None = None
         #: The registry shared with the other `serve --workers N` processes, when there is one.
-        self.shared: SharedWorkers | None = None
+        self.shared: SharedRegistry | None = None
 
     # -- membership ------------------------------------------------------------------------------
     def create_worker(
@@ -102,6 +119,31 @@ class Fleet:
             worker.id = worker_id
         self.workers[worker.id] = worker
         return worker
+
+    async def admit(
+        self,
+        url: str,
+        kind: WorkerKind = WorkerKind.REGULAR,
+        engine: str | None = None,
+        worker_id: str | None = None,
+    ) -> Worker:
+        """Register a worker and probe it; it takes traffic only once a probe succeeded. Raises Conflict
+        when the URL is registered with that kind already; an unreachable worker is kept, unhealthy."""
+        worker = self.create_worker(url, kind, engine or self._default_engine, worker_id)
+        worker.breaker_cooldown = self._breaker_cooldown
+        await self.probe(worker)
+        if worker.healthy and kind is WorkerKind.PREFILL:
+            await self._learn_bootstrap_port(worker)
+        return worker
+
+    async def _learn_bootstrap_port(self, worker: Worker) -> None:
+        if not worker.client.capabilities.server_info:
+            return
+        with contextlib.suppress(Exception):
+            args = await worker.client.server_info(timeout=self._connect_timeout)
+            port = args.get("disaggregation_bootstrap_port")
+            if port:
+                worker.bootstrap_port = int(port)
 
     async def probe(self, worker: Worker) -> bool:
         """Learn the worker's model (once) and check its health; attach it to its model group."""

@@ -43,7 +43,7 @@ DEFAULT_SYNC_INTERVAL = 1.0
 #: stops blocking health checks after a few seconds, while one slow renewal does not hand it over.
 LEASE_INTERVALS = 5
 
-#: Admits a worker to this process's fleet under the given id: creates it and probes it (app.add_worker).
+#: Admits a worker to this process's fleet under the given id: creates it and probes it (`Fleet.admit`).
 Admit = Callable[[str, WorkerKind, str, str], Awaitable[Worker]]
 
 

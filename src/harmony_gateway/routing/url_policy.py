@@ -1,7 +1,7 @@
 """Which hosts a worker registered through the admin API may point at, and worker URLs without secrets.
 
 `POST /workers` makes the gateway send every prompt of a model to the URL it is given, so a URL is
-checked like an MCP `server_url` (mcp/security.py): its host must resolve to public addresses only, unless
+checked like an MCP `server_url` (netguard.py): its host must resolve to public addresses only, unless
 the host, or each address, is listed in `--worker-allow-hosts`. A request that arrived on the admin
 listener (`--admin-port`, loopback by default) is operator access: it may also name loopback and private
 addresses; link-local ones (169.254.169.254, the cloud metadata service), multicast and unspecified
@@ -21,8 +21,7 @@ import ipaddress
 from urllib.parse import urlsplit
 
 from ..errors import InvalidRequest
-from ..mcp.client import McpServerUnavailable
-from ..mcp.security import HostAllowList, IPAddress, is_public, resolve_host
+from ..netguard import HostAllowList, IPAddress, UnresolvableHost, is_public, resolve_host
 
 _SCHEMES = ("grpc", "grpcs", "http", "https")
 
@@ -55,7 +54,7 @@ async def check_worker_url(
         return
     try:
         addresses = await resolve_host(host, port or 443, timeout)
-    except McpServerUnavailable:
+    except UnresolvableHost:
         raise InvalidRequest(
             f"the worker host {host!r} does not resolve", param="url", code="worker_url_not_allowed"
         ) from None

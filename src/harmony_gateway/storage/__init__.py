@@ -5,11 +5,10 @@ The SQL backend (SQLAlchemy, ~25 MB of imports) loads only when a SQL storage UR
 
 from typing import Any
 
+from ..types.limits import ConversationLimits, ConversationSize
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
-    ConversationLimits,
-    ConversationSize,
     Page,
     RecentChain,
     RecentItems,
@@ -26,7 +25,7 @@ from .registry import STORES, default_storage_url, open_store
 
 def __getattr__(name: str) -> Any:
     if name in ("SCHEMA_VERSION", "SqlStore"):
-        from . import sql
+        from . import sql  # lazy: SQLAlchemy (~20 MB) only when the SQL backend is asked for
 
         return getattr(sql, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

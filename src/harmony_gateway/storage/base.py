@@ -16,65 +16,15 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import orjson
 
 from .. import errors
+from ..types.limits import (
+    ConversationLimits,
+    ConversationSize,
+)
 
 #: Every status a stored response may have (OpenAI's Response.status).
 RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
 
 Order = Literal["asc", "desc"]
-
-
-#: Items one conversation may hold by default (`serve --max-conversation-items`). OpenAI documents 20
-#: items per create/add call and no total; a total keeps the per-conversation index walk bounded.
-DEFAULT_MAX_CONVERSATION_ITEMS = 10_000
-#: Stored bytes (items as JSON) one conversation may hold by default (`serve --max-conversation-bytes`):
-#: the default request body cap, about fifteen times what a 131k-token context can show of it.
-DEFAULT_MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
-#: The error code of an append refused by `ConversationLimits`.
-CONVERSATION_TOO_LARGE = "conversation_too_large"
-
-
-@dataclass(frozen=True, slots=True)
-class ConversationLimits:
-    """Caps on one conversation's items, checked by the store against what it holds on every append,
-    under the same lock that orders the append: concurrent writers cannot together pass them."""
-
-    max_items: int = DEFAULT_MAX_CONVERSATION_ITEMS
-    max_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES
-
-    def __post_init__(self) -> None:
-        if self.max_items < 1 or self.max_bytes < 1:
-            raise ValueError("conversation limits must be at least 1")
-
-    def check(self, held: ConversationSize, adding: ConversationSize, *, param: str = "items") -> None:
-        """Raise errors.InvalidRequest (code `conversation_too_large`, `param`) if `held + adding`
-        passes a cap; an empty append always passes."""
-        if not adding.items:
-            return
-        if held.items + adding.items > self.max_items:
-            raise errors.InvalidRequest(
-                f"the conversation holds {held.items} items and this adds {adding.items}; a conversation "
-                f"holds at most {self.max_items}: start a new one",
-                param=param,
-                code=CONVERSATION_TOO_LARGE,
-            )
-        if held.bytes + adding.bytes > self.max_bytes:
-            raise errors.InvalidRequest(
-                f"the conversation holds {held.bytes} bytes of items and this adds {adding.bytes}; a "
-                f"conversation holds at most {self.max_bytes}: start a new one",
-                param=param,
-                code=CONVERSATION_TOO_LARGE,
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class ConversationSize:
-    """How many items a conversation holds and their stored size (each item's JSON, UTF-8 bytes)."""
-
-    items: int = 0
-    bytes: int = 0
-
-    def __add__(self, other: ConversationSize) -> ConversationSize:
-        return ConversationSize(self.items + other.items, self.bytes + other.bytes)
 
 
 @dataclass(slots=True)

@@ -17,11 +17,10 @@ from typing import Any
 import orjson
 
 from .. import errors
+from ..types.limits import ConversationLimits, ConversationSize
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
-    ConversationLimits,
-    ConversationSize,
     Order,
     Page,
     RecentChain,

@@ -33,7 +33,7 @@ def _open_memory(url: str, *, schema: str | None = None, retention_seconds: floa
 
 def _open_sql(url: str, *, schema: str | None = None, retention_seconds: float | None = None) -> Store:
     """SQLite and PostgreSQL (`sql.SqlStore`), imported on first use."""
-    from .sql import SqlStore
+    from .sql import SqlStore  # lazy: SQLAlchemy (~20 MB) only with a SQL storage URL
 
     return SqlStore(url, schema=schema, retention_seconds=retention_seconds)
 

@@ -34,11 +34,10 @@ from sqlalchemy.engine import URL, Connection, Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from .. import errors
+from ..types.limits import ConversationLimits, ConversationSize
 from .base import (
     RESPONSE_STATUSES,
     ConversationItem,
-    ConversationLimits,
-    ConversationSize,
     Order,
     Page,
     RecentChain,

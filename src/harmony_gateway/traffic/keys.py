@@ -15,17 +15,10 @@ conversations and restorable reasoning (principal.py); without it a key is a ten
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True, slots=True)
-class KeyPolicy:
-    rate_limit: int | None = None
-    token_rate_limit: int | None = None
-    priority: int | None = None
-    tenant: str | None = None
-
+# Re-exported: a key file entry parses into the settings record, which the middleware reads from here.
+from ..settings import KeyPolicy as KeyPolicy
 
 _INT_FIELDS = {"rate_limit", "token_rate_limit", "priority"}
 _FIELDS = _INT_FIELDS | {"tenant"}

@@ -35,6 +35,7 @@ from typing import Any
 
 import anyio
 import orjson
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -59,8 +60,6 @@ current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("
 
 class TrafficMetrics:
     def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
-
         self.admission_in_flight = Gauge(
             "gateway_admission_in_flight",
             "Generation requests admitted and not finished",

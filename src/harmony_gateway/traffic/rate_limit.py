@@ -135,7 +135,7 @@ class RedisBuckets:
     """Buckets in Redis under `prefix`, with local buckets as the fallback while Redis is down."""
 
     def __init__(self, url: str, *, prefix: str = "harmony-gateway:rl:", metrics: Any = None) -> None:
-        import redis.asyncio as redis
+        import redis.asyncio as redis  # lazy: redis (~9 MB) only with a Redis rate-limit store
 
         self.url = url
         self.prefix = prefix

@@ -1,14 +1,18 @@
 """Integer ranges the engine wire protocols can carry (uint32 token ids and counts, int32 `top_k`) and the
 64-bit seeds clients send. A request value outside them is a 400 naming the field, never a failure while
-the engine request is built."""
+the engine request is built. Also the caps on one stored conversation, which the settings carry and the
+stores enforce."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import orjson
 from pydantic import AfterValidator, BeforeValidator, Field
+
+from .. import errors
 
 INT32_MAX = 2**31 - 1
 
@@ -38,6 +42,60 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 #: Items one conversation call may add (OpenAI: 20 per call); --max-conversation-items bounds the total.
 MAX_ITEMS_PER_CONVERSATION_CALL = 20
+
+#: Items one conversation may hold by default (`serve --max-conversation-items`). OpenAI documents 20
+#: items per create/add call and no total; a total keeps the per-conversation index walk bounded.
+DEFAULT_MAX_CONVERSATION_ITEMS = 10_000
+#: Stored bytes (items as JSON) one conversation may hold by default (`serve --max-conversation-bytes`):
+#: the default request body cap, about fifteen times what a 131k-token context can show of it.
+DEFAULT_MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
+#: The error code of an append refused by `ConversationLimits`.
+CONVERSATION_TOO_LARGE = "conversation_too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationLimits:
+    """Caps on one conversation's items, checked by the store against what it holds on every append,
+    under the same lock that orders the append: concurrent writers cannot together pass them."""
+
+    max_items: int = DEFAULT_MAX_CONVERSATION_ITEMS
+    max_bytes: int = DEFAULT_MAX_CONVERSATION_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_items < 1 or self.max_bytes < 1:
+            raise ValueError("conversation limits must be at least 1")
+
+    def check(self, held: ConversationSize, adding: ConversationSize, *, param: str = "items") -> None:
+        """Raise errors.InvalidRequest (code `conversation_too_large`, `param`) if `held + adding`
+        passes a cap; an empty append always passes."""
+        if not adding.items:
+            return
+        if held.items + adding.items > self.max_items:
+            raise errors.InvalidRequest(
+                f"the conversation holds {held.items} items and this adds {adding.items}; a conversation "
+                f"holds at most {self.max_items}: start a new one",
+                param=param,
+                code=CONVERSATION_TOO_LARGE,
+            )
+        if held.bytes + adding.bytes > self.max_bytes:
+            raise errors.InvalidRequest(
+                f"the conversation holds {held.bytes} bytes of items and this adds {adding.bytes}; a "
+                f"conversation holds at most {self.max_bytes}: start a new one",
+                param=param,
+                code=CONVERSATION_TOO_LARGE,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSize:
+    """How many items a conversation holds and their stored size (each item's JSON, UTF-8 bytes)."""
+
+    items: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: ConversationSize) -> ConversationSize:
+        return ConversationSize(self.items + other.items, self.bytes + other.bytes)
+
 
 # Text that openai-harmony's own encoder tokenizes (the developer message: instructions, tool descriptions
 # and schemas, response formats). Its pre-tokenizer panics on a run of about a million characters it

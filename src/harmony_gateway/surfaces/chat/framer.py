@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
-from ...pipeline.sse import DATA_FIELD, EVENT_END
 from ...pipeline.text_output import TextChoiceOutput
+from ...sse import DATA_FIELD, EVENT_END
 
 _dumps = orjson.dumps
 

@@ -4,15 +4,12 @@ analysis) become the history, `tools` and `tool_choice` the developer message's 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from ...errors import InvalidRequest
 from ...harmony.messages import (
-    FunctionTool,
     Msg,
     assistant,
     assistant_call,
-    dedupe_function_tools,
     developer_text,
     drop_old_analysis,
     parse_reasoning_effort,
@@ -32,42 +29,9 @@ from ...pipeline.prepare import (
 )
 from ...pipeline.reasoning_store import AssistantTurn, recall_analyses, restorable_turns, turn_remembering
 from ...routing.fleet import ModelGroup
+from .content import chat_function_tools, text_of
+from .template import prepare_chat_template
 from .types import ChatCompletionRequest, ChatMessage
-
-
-def text_of(content: str | list[dict[str, Any]] | None, *, param: str, allow_refusal: bool = False) -> str:
-    """Concatenate text parts; non-text parts are 400 (gpt-oss is text-only)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    pieces = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") or (allow_refusal and kind == "refusal"):
-            value = part.get("text", part.get("refusal", ""))
-            if not isinstance(value, str):
-                raise InvalidRequest("text parts must carry a string 'text'", param=f"{param}[{j}].text")
-            pieces.append(value)
-        else:
-            raise InvalidRequest(
-                f"content part type {kind!r} is not supported: this model accepts text only",
-                param=f"{param}[{j}]",
-            )
-    return "".join(pieces)
-
-
-def chat_function_tools(request: ChatCompletionRequest) -> list[FunctionTool]:
-    tools: list[FunctionTool] = []
-    for i, tool in enumerate(request.tools or []):
-        if tool.type != "function" or tool.function is None:
-            raise InvalidRequest(
-                f"tool type {tool.type!r} is not supported in chat completions; use 'function'",
-                param=f"tools[{i}].type",
-            )
-        fn = tool.function
-        tools.append(FunctionTool(fn.name, fn.description or "", fn.parameters, f"tools[{i}]"))
-    return dedupe_function_tools(tools)
 
 
 def chat_history(
@@ -173,8 +137,6 @@ async def prepare_chat(
     """Validate and render a chat request for tenant `owner` (`ctx.owner`), whose analyses of earlier
     tool-call turns are restored; raises InvalidRequest naming the field."""
     if not group.harmony:
-        from .template import prepare_chat_template
-
         return await prepare_chat_template(state, request, group)
     restored = await recall_analyses(state, owner, restorable_turns(assistant_turns(request.messages)))
     prepared = await prepare_harmony(state, group, chat_turn(request, group, restored))

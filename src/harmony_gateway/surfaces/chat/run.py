@@ -13,8 +13,8 @@ from ...pipeline.drive import Generation, NothingToSettle, Planned, open_generat
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.prepare import prompt_cache_key_of
 from ...pipeline.reasoning_budget import budget_exceeded
-from ...pipeline.sse import DONE
 from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
+from ...sse import DONE
 from .framer import ChatStreamWriter, LogprobChatStreamWriter, add_logprobs, chat_completion_body, chat_usage
 from .mapper import prepare_chat
 from .types import ChatCompletionRequest

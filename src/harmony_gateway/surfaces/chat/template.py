@@ -23,6 +23,7 @@ import datetime as dt
 import json
 from typing import Any
 
+import anyio
 import jinja2
 import jinja2.sandbox
 from jinja2.ext import loopcontrols
@@ -32,16 +33,17 @@ from ...observability.tracing import traced
 from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.prepare import (
     apply_tool_choice,
-    newest_user_text,
     request_sampling,
     stop_strings,
     token_budget,
 )
 from ...pipeline.text_output import OutputSpec
-from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer, model_tokenizer
+from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer
+from ...pipeline.tokenizer_cache import model_tokenizer
 from ...routing.fleet import ModelGroup
-from .mapper import chat_function_tools, text_of
+from .content import chat_function_tools, selection_text, text_of
 from .types import ChatCompletionRequest
+from .upstream import is_text_group, prepare_chat_passthrough
 
 #: Above this many characters of messages, rendering and tokenizing move to a worker thread.
 THREAD_CHARS = 8000
@@ -198,10 +200,6 @@ def render_and_encode(tok: ModelTokenizer, request: ChatCompletionRequest) -> tu
     return rendered.replace(TOKEN_BREAK, ""), tok.encode_rendered(rendered)
 
 
-def selection_text(request: ChatCompletionRequest) -> str:
-    return newest_user_text((message.role, message.content) for message in reversed(request.messages))
-
-
 def output_spec(
     state: GatewayState, group: ModelGroup, request: ChatCompletionRequest, tok: Any
 ) -> OutputSpec:
@@ -221,8 +219,6 @@ def output_spec(
 async def prepare_chat_template(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup
 ) -> PreparedRequest:
-    from .upstream import is_text_group, prepare_chat_passthrough
-
     if request.max_reasoning_tokens is not None:
         raise InvalidRequest(
             "max_reasoning_tokens is supported for Harmony models only", param="max_reasoning_tokens"
@@ -232,8 +228,6 @@ async def prepare_chat_template(
     tok = await model_tokenizer(state, group)
     chars = sum(len(m.content) if isinstance(m.content, str) else 200 for m in request.messages)
     if chars > THREAD_CHARS:
-        import anyio
-
         prompt, input_ids = await anyio.to_thread.run_sync(render_and_encode, tok, request)
     else:
         prompt, input_ids = render_and_encode(tok, request)

@@ -19,9 +19,10 @@ from typing import Any
 
 from ...errors import InvalidRequest
 from ...pipeline.context import GatewayState, PreparedRequest
-from ...pipeline.prepare import stop_strings
+from ...pipeline.prepare import sampling_options, stop_strings
 from ...pipeline.text_output import OutputSpec
 from ...routing.fleet import ModelGroup
+from .content import selection_text
 from .types import ChatCompletionRequest
 
 #: Request fields that only the gateway understands, never forwarded.
@@ -60,9 +61,6 @@ def chat_body(request: ChatCompletionRequest) -> dict[str, Any]:
 def prepare_chat_passthrough(
     state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, spec: OutputSpec
 ) -> PreparedRequest:
-    from ...pipeline.prepare import sampling_options
-    from .template import selection_text
-
     return PreparedRequest(
         group=group,
         input_ids=[],

@@ -34,7 +34,7 @@ from ...pipeline.raw_prompt import (
     raw_tokenizer,
     stop_list,
 )
-from ...pipeline.sse import DATA_FIELD, DONE, EVENT_END, data_frame
+from ...sse import DATA_FIELD, DONE, EVENT_END, data_frame
 from ..chat.upstream import is_text_group
 from .types import CompletionRequest
 

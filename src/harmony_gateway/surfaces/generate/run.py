@@ -33,8 +33,8 @@ from ...pipeline.raw_prompt import (
     raw_tokenizer,
     stop_list,
 )
-from ...pipeline.sse import DONE, data_frame
 from ...routing.fleet import ModelGroup
+from ...sse import DONE, data_frame
 from ..chat.upstream import require_token_engine
 from .types import GenerateRequest, SglangSamplingParams
 

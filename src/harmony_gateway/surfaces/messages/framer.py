@@ -17,8 +17,8 @@ from ...harmony import token_parser as tp
 from ...pipeline.context import PreparedRequest, RequestContext
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from ...pipeline.reasoning_budget import budget_exceeded
-from ...pipeline.sse import encoded_event_frame
 from ...pipeline.text_output import TextChoiceOutput
+from ...sse import encoded_event_frame
 
 log = logging.getLogger(__name__)
 

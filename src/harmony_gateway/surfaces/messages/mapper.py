@@ -86,6 +86,7 @@ from ...pipeline.reasoning_store import (
     turn_remembering,
 )
 from ...routing.fleet import ModelGroup
+from ..chat.template import prepare_chat_template
 from ..chat.types import ChatCompletionRequest
 from ..chat.upstream import attach_harmony_upstream, is_text_group
 from .framer import thinking_signature
@@ -525,8 +526,6 @@ async def prepare_messages(
     _, show_thinking, _ = thinking_options(request)
     await _verify_thinking_signatures(state, request, owner)
     if not group.harmony:
-        from ..chat.template import prepare_chat_template
-
         return MessagesPlan(
             await prepare_chat_template(state, messages_as_chat(request), group), show_thinking
         )

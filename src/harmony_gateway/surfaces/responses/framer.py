@@ -18,7 +18,8 @@ from ...engines.base import EngineChunk
 from ...errors import GatewayError, InvalidRequest, NotFound
 from ...pipeline.context import GatewayState, RequestContext
 from ...pipeline.reasoning_budget import budget_exceeded
-from ...storage.base import CONVERSATION_TOO_LARGE, StoredResponse
+from ...storage.base import StoredResponse
+from ...types.limits import CONVERSATION_TOO_LARGE
 from .output import ResponseBuilder, ToolSlot, usage_of
 from .plan import (
     DATE_KEY,
@@ -28,9 +29,14 @@ from .plan import (
     redacted_tools,
     token_texts,
 )
-from .service.runner import ACTIVE_STATUSES, RUNNER_KEY
 
 log = logging.getLogger(__name__)
+
+#: Private `StoredResponse.metadata` key of a background response: the process running it
+#: (`service.runner.default_runner_id`), so a restarted process finds the work it left behind.
+RUNNER_KEY = "_runner"
+#: Statuses a background response may still leave (a cancel or its own ending moves it on).
+ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 #: Recorded events of a background response, published as they form (`events.EventFeed.publish`).
 Publish = Callable[[list[tuple[dict[str, Any], bytes]]], Awaitable[None]]

@@ -12,6 +12,8 @@ from typing import Any
 
 from ...errors import InvalidRequest
 from ...harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
+from ...mcp.approval import declined_text
+from ...mcp.tool_loop import error_text
 from .client_tools import LOCAL_SHELL, local_shell_arguments
 
 ITEM_PREFIXES = {
@@ -356,8 +358,6 @@ class McpReplay:
             error = item.get("error")
             output = item.get("output")
             if error:
-                from ...mcp.tool_loop import error_text
-
                 text = f"Error: {error_text(error)}"
             else:
                 text = output if isinstance(output, str) else ""
@@ -375,8 +375,6 @@ class McpReplay:
                 return [self.placeholders[request_id]]
             request = self.requests.get(request_id)
             if request is not None and item.get("approve") is False:
-                from ...mcp.approval import declined_text
-
                 recipient = f"{request.get('server_label', '')}.{request.get('name', '')}"
                 reason = item.get("reason")
                 return [tool_result(recipient, declined_text(reason if isinstance(reason, str) else None))]

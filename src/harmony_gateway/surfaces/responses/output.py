@@ -14,7 +14,8 @@ from typing import Any
 import orjson
 
 from ...harmony import token_parser as tp
-from ...pipeline.sse import encoded_event_frame
+from ...mcp.tool_loop import error_text
+from ...sse import encoded_event_frame
 from .client_tools import LOCAL_SHELL, client_tool_kinds, local_shell_action
 from .mapper import new_id
 
@@ -639,8 +640,6 @@ class ResponseBuilder:
                 {"type": "response.web_search_call.completed", "item_id": item_id, "output_index": index}
             )
         elif kind == "code_interpreter_call":
-            from ...mcp.tool_loop import error_text
-
             text = output if output is not None else error_text(error)
             item["outputs"] = [{"type": "logs", "logs": text}] if text else []
             item["status"] = status

@@ -17,10 +17,9 @@ from ....observability.logging import log_failure
 from ....pipeline.context import GatewayState, RequestContext, detached_context, run_cleanups
 from ....pipeline.drive import collect
 from ..events import EventFeed, stream_stored_events
-from ..framer import ResponsesFramer, finish_response, persist, record_of
+from ..framer import ACTIVE_STATUSES, RUNNER_KEY, ResponsesFramer, finish_response, persist, record_of
 from ..output import ResponseBuilder
 from ..plan import ResponsePlan
-from .runner import ACTIVE_STATUSES, RUNNER_KEY
 from .turns import CLOSE_TIMEOUT, begin, turns
 
 log = logging.getLogger(__name__)

@@ -25,16 +25,13 @@ from typing import Any
 from ....pipeline.context import LiveEvents
 from ....storage.base import Store
 from ....tasks import TaskSupervisor
+from ....traffic.middleware import current_ticket
+from ..framer import ACTIVE_STATUSES, RUNNER_KEY
 
 log = logging.getLogger(__name__)
 
-RUNNER_KEY = "_runner"
-
 #: How often the watcher of a running background response reads its stored status (one small query).
 CANCEL_POLL_SECONDS = 0.25
-
-#: Statuses a background response may still leave (a cancel or its own ending moves it on).
-ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 
 
 def default_runner_id(port: int) -> str:
@@ -106,8 +103,6 @@ class BackgroundRunner:
     def _hold_admission(self, response_id: str, task: asyncio.Task[None]) -> None:
         # The request's admission slot and token budget go with the response: the slot is held, and
         # the tokens charged, until the background task ends, not when the HTTP request returns.
-        from ....traffic.middleware import current_ticket
-
         ticket = current_ticket.get()
         if ticket is None:
             return
