@@ -10,12 +10,12 @@ it on the admin listener or fetch /openapi.json with the key.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from starlette.responses import HTMLResponse, Response
 
 from ..surfaces.messages.types import CountTokensRequest
@@ -26,6 +26,7 @@ from ..surfaces.responses.types import (
 )
 from ..surfaces.table import SURFACES
 from .admin import require_admin
+from .inspect import INSPECTABLE
 from .routes import gateway, json_response
 
 
@@ -44,7 +45,10 @@ class RenderRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    api: Literal["chat", "responses", "messages"] = Field(description="the API the request is for")
+    api: str = Field(
+        description="the API the request is for",
+        json_schema_extra={"enum": list[JsonValue](sorted(INSPECTABLE))},
+    )
     request: dict[str, Any] = Field(description="the request body that API would receive")
 
 

@@ -26,9 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", metavar="FILE", help="the saved request (JSON); - reads standard input")
     p.add_argument(
         "--api",
-        choices=["chat", "responses", "messages"],
         default=None,
-        help="the API of a bare request body",
+        help="the API of a bare request body (a surface the inspector renders, such as chat)",
     )
     p.add_argument("--gateway", default=None, help="ask this running gateway (http://host:port) instead")
     p.add_argument(

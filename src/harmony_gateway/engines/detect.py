@@ -30,7 +30,8 @@ from .tokenspeed_grpc import TokenSpeedGrpcClient
 from .trtllm_grpc import TrtllmGrpcClient
 from .vllm_grpc import VllmGrpcClient
 
-#: The protocols `auto` tries, most common first; each costs one HealthCheck round trip to rule out.
+#: Every gRPC protocol the gateway speaks, in the order `auto` tries them (most common first; each costs
+#: one HealthCheck round trip to rule out). `registry.GRPC_ENGINES` names them from this tuple.
 DETECTION_ORDER: tuple[type[GrpcEngineClient], ...] = (
     SglangGrpcClient,
     VllmGrpcClient,

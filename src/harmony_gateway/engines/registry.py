@@ -1,22 +1,15 @@
-"""Engine clients by URL scheme and engine name: one line per engine."""
+"""Engine clients by URL scheme and engine name; the gRPC protocols are the ones `detect.DETECTION_ORDER`
+lists, so an engine is one client module and one line there."""
 
 from __future__ import annotations
 
 from ..errors import InvalidRequest
 from .base import EngineClient
-from .detect import DetectingGrpcClient
-from .mlx_grpc import MlxGrpcClient
-from .sglang_grpc import SglangGrpcClient
-from .tokenspeed_grpc import TokenSpeedGrpcClient
-from .trtllm_grpc import TrtllmGrpcClient
-from .vllm_grpc import VllmGrpcClient
+from .detect import DETECTION_ORDER, DetectingGrpcClient
 
+#: Each gRPC protocol's client by its engine name (`detect.DETECTION_ORDER` lists them), and `auto`.
 GRPC_ENGINES: dict[str, type[EngineClient]] = {
-    "sglang": SglangGrpcClient,
-    "vllm": VllmGrpcClient,
-    "mlx": MlxGrpcClient,
-    "trtllm": TrtllmGrpcClient,
-    "tokenspeed": TokenSpeedGrpcClient,
+    **{client.engine: client for client in DETECTION_ORDER},
     "auto": DetectingGrpcClient,
 }
 
