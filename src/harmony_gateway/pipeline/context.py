@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
+    from .output_spec import OutputSpec
     from .tokenizer import ModelTokenizer
 
 
@@ -82,6 +83,14 @@ class BackgroundResponses(Protocol):
     async def shutdown(self) -> None:
         """Cancel every running response and wait for them (bounded)."""
         ...
+
+
+class FinishedChoice(Protocol):
+    """A choice whose output has ended, as `PreparedRequest.after_turn` reads it: its output parser (a
+    Harmony token parser, or a text-level one)."""
+
+    @property
+    def parser(self) -> object: ...
 
 
 @dataclass(eq=False)
@@ -218,14 +227,14 @@ class PreparedRequest:
     #: Harmony prompt pieces, kept for continuations (reasoning budget, tool loops).
     prefix: PromptPrefix | None = None
     history: list[Msg] = field(default_factory=list)
-    #: Output that is text, not Harmony tokens (non-Harmony models, HTTP upstreams): the
-    #: `text_output.OutputSpec` that `run.py` hands to `TextChoiceOutput`.
-    output_adapter: Any = None
+    #: Output that is text, not Harmony tokens (non-Harmony models, HTTP upstreams): how it is parsed
+    #: (`TextChoiceOutput` reads it).
+    output_adapter: OutputSpec | None = None
     #: Text-mode (HTTP) upstreams: the OpenAI request bodies to forward, by API.
     upstream_body: dict[str, dict[str, Any]] | None = None
     #: Awaited with each finished choice before its last event is sent (keeps the analysis behind issued
     #: tool calls restorable: `reasoning_store.turn_remembering`).
-    after_turn: Any = None
+    after_turn: Callable[[FinishedChoice], Awaitable[None]] | None = None
 
 
 def detached_context(ctx: RequestContext) -> RequestContext:

@@ -38,17 +38,14 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..errors import InvalidRequest
 from ..harmony import token_parser as tp
-
-if TYPE_CHECKING:
-    from .parse_output import ChoiceOutput
-    from .text_output import TextChoiceOutput
+from .context import FinishedChoice, GatewayState
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +146,7 @@ _keys: weakref.WeakKeyDictionary[Any, bytes] = weakref.WeakKeyDictionary()
 _locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-async def reasoning_vault(state: Any, owner: str) -> ReasoningVault:
+async def reasoning_vault(state: GatewayState, owner: str) -> ReasoningVault:
     """The vault of tenant `owner` (`ctx.owner`). The gateway key is read once per gateway, on first use:
     a generated key may have to be read from the storage."""
     key = _keys.get(state)
@@ -161,7 +158,7 @@ async def reasoning_vault(state: Any, owner: str) -> ReasoningVault:
     return ReasoningVault(key, state.store, owner=owner)
 
 
-async def _gateway_key(state: Any) -> bytes:
+async def _gateway_key(state: GatewayState) -> bytes:
     configured = state.settings.reasoning_key
     if configured:
         return hashlib.sha256(configured.encode()).digest()
@@ -170,12 +167,12 @@ async def _gateway_key(state: Any) -> bytes:
     return base64.b64decode(stored["key"])
 
 
-def turn_remembering(state: Any, owner: str) -> Callable[[ChoiceOutput | TextChoiceOutput], Awaitable[None]]:
+def turn_remembering(state: GatewayState, owner: str) -> Callable[[FinishedChoice], Awaitable[None]]:
     """The `PreparedRequest.after_turn` hook of Chat and Messages requests: once a choice has finished,
     keep the analysis of a turn that called tools under tenant `owner` and the call ids it issued.
     Storage trouble is logged, never fails the response."""
 
-    async def remember_turn(choice: ChoiceOutput | TextChoiceOutput) -> None:
+    async def remember_turn(choice: FinishedChoice) -> None:
         parser = choice.parser
         if not isinstance(parser, tp.HarmonyOutputParser) or not parser.messages:
             return  # text output (HTTP upstreams, other models): no issued call ids
@@ -225,7 +222,7 @@ MAX_RECALLED_TURNS = 256
 RECALL_IDS_PER_TURN = 4
 
 
-async def recall_analyses(state: Any, owner: str, turns: dict[int, list[str]]) -> dict[int, str]:
+async def recall_analyses(state: GatewayState, owner: str, turns: dict[int, list[str]]) -> dict[int, str]:
     """Analysis remembered for tenant `owner` per assistant turn (index → text), for turns given as
     index → their call ids. At most the newest `MAX_RECALLED_TURNS` turns are looked up, by their first
     `RECALL_IDS_PER_TURN` ids: a turn's analysis is kept under each of its ids, and a request is not
@@ -247,7 +244,7 @@ def wants_encrypted_reasoning(include: Any) -> bool:
 
 
 async def vault_for(
-    state: Any, owner: str, include: Any, *item_lists: Iterable[Any]
+    state: GatewayState, owner: str, include: Any, *item_lists: Iterable[Any]
 ) -> ReasoningVault | None:
     """Tenant `owner`'s vault when a Responses request needs it: it asks for encrypted reasoning, or
     replays some."""

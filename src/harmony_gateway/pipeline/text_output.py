@@ -36,46 +36,8 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import ParserStats
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
-from .output_parsers import ParserChain, build_parser_chain
+from .output_spec import OutputSpec
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, StopScanner, chat_finish_reason
-
-
-@dataclass(frozen=True, slots=True)
-class OutputSpec:
-    """How a model's text output is parsed; `PreparedRequest.output_adapter` holds one per request.
-
-    `tokenizer` (a `pipeline.tokenizer.ModelTokenizer`) is set for token-id engines and None for
-    text-mode upstreams. `text_kind` is a `--text-parser` kind (it replaces the reasoning parser).
-    """
-
-    tokenizer: Any = None
-    text_kind: str | None = None
-    reasoning_parser: str | None = None
-    tool_call_parser: str | None = None
-    no_stop_trim: bool = False
-    #: The Harmony text parser's fallback window (`--text-parser-window-chars` / `-seconds`).
-    window_chars: int = 256
-    window_seconds: float | None = None
-
-    @classmethod
-    def configured(cls, settings: Any, **fields: Any) -> OutputSpec:
-        """A spec carrying the operator's text-parser window settings."""
-        return cls(
-            window_chars=settings.text_parser_window_chars,
-            window_seconds=settings.text_parser_window_seconds,
-            **fields,
-        )
-
-    def new_chain(self) -> ParserChain | None:
-        return build_parser_chain(
-            text_kind=self.text_kind,
-            reasoning=self.reasoning_parser,
-            tool_call=self.tool_call_parser,
-            harmony_options={
-                "marker_window_chars": self.window_chars,
-                "marker_window_seconds": self.window_seconds,
-            },
-        )
 
 
 @dataclass(slots=True, eq=False)
@@ -95,7 +57,9 @@ class TextChoiceOutput:
     """The output of one choice of a text-output model, for Chat Completions (module docstring)."""
 
     def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
-        spec: OutputSpec = prepared.output_adapter
+        spec = prepared.output_adapter
+        if spec is None:
+            raise TypeError("TextChoiceOutput needs a request whose output is text (`output_adapter`)")
         self.index = index
         self.chain = spec.new_chain()
         self.stats: ParserStats | None = self.chain.stats if self.chain is not None else None
@@ -316,6 +280,8 @@ class TextChoiceOutput:
 
     # -- logprobs --------------------------------------------------------------------------------
     def _add_logprobs(self, logprobs: list[TokenLogprob]) -> None:
+        if self._tokenizer is None:
+            return  # a text-mode upstream: logprobs are refused before the request is sent
         token_text = self._tokenizer.token_text
         for lp in logprobs:
             text = token_text(lp.token_id)

@@ -185,8 +185,10 @@ class ChatFramer:
         chunks go out."""
         ended, self._ended = self._ended, []
         self.unsettled = False
+        after_turn = self._prepared.after_turn
         for choice in ended:
-            await self._prepared.after_turn(choice)
+            if after_turn is not None:
+                await after_turn(choice)
 
     def feed(self, chunk: EngineChunk) -> bytes:
         writer = self._writer

@@ -31,13 +31,13 @@ from jinja2.ext import loopcontrols
 from ...errors import InvalidRequest, UpstreamError
 from ...observability.tracing import traced
 from ...pipeline.context import GatewayState, PreparedRequest
+from ...pipeline.output_spec import OutputSpec
 from ...pipeline.prepare import (
     apply_tool_choice,
     request_sampling,
     stop_strings,
     token_budget,
 )
-from ...pipeline.text_output import OutputSpec
 from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer
 from ...pipeline.tokenizer_cache import model_tokenizer
 from ...routing.fleet import ModelGroup

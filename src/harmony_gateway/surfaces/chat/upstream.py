@@ -19,8 +19,8 @@ from typing import Any
 
 from ...errors import InvalidRequest
 from ...pipeline.context import GatewayState, PreparedRequest
+from ...pipeline.output_spec import OutputSpec
 from ...pipeline.prepare import sampling_options, stop_strings
-from ...pipeline.text_output import OutputSpec
 from ...routing.fleet import ModelGroup
 from .content import selection_text
 from .types import ChatCompletionRequest
