@@ -1,3 +1,4 @@
-"""The API surfaces: one folder each (chat, responses, messages, generate, completions), holding that
-surface's request types, its mapper (request -> Harmony turn or engine request), its framers (JSON,
-SSE) and its wire. Each maps onto the shared stages in `pipeline/`; the edge (`api/`) routes to them."""
+"""The API surfaces: one folder each (chat, responses, messages, completions, generate), holding that
+surface's request types, its mapper (request -> Harmony turn or engine request), its framers (JSON body,
+SSE events) and its plan; `table.py` lists them, each with its route and wire. Each maps onto the shared
+stages in `pipeline/`; the edge (`api/`) builds its routes from the table."""
