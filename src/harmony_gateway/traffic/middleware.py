@@ -38,6 +38,7 @@ import orjson
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..asgi import HttpMiddleware
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
 from ..observability.metrics import MetricSet, counter, gauge, histogram
@@ -347,16 +348,13 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class TrafficMiddleware:
+class TrafficMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, control: TrafficControl, routes: RouteMap) -> None:
-        self.app = app
+        super().__init__(app)
         self.control = control
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         headers = Headers(scope=scope)
         attributes: dict[str, Any] = {"http.request.method": scope["method"], "url.path": path}
