@@ -4,7 +4,8 @@ Nothing here runs per token. `finish_request(ctx)` is the single end-of-request 
 request's counters and histograms from the `RequestContext` (inter-token latency is observed once, as
 (end - first token) / (tokens - 1)) and then writes the request log line. Worker health, in-flight counts
 and circuit-breaker state are read from the fleet at scrape time by `FleetCollector`, so requests never
-touch those gauges.
+touch those gauges. Each group of metrics (these, and traffic control's) is a `MetricSet`: its metrics
+are declared as class attributes (`counter`, `histogram`, `gauge`) and built on the set's registry.
 
 Multi-process servers: when `PROMETHEUS_MULTIPROC_DIR` is set before the gateway starts, prometheus-client
 keeps counter and histogram values in files in that directory and `render()` merges every process's
