@@ -14,6 +14,7 @@ import pytest
 import harmony_gateway
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
 from harmony_gateway.engines.registry import GRPC_ENGINES
+from harmony_gateway.settings import Settings
 from harmony_gateway.sim.server import EngineKind
 from harmony_gateway.storage import ConversationLimits
 
@@ -116,6 +117,30 @@ def test_agent_client_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) 
     assert settings_from_args(build_parser().parse_args(base)).reasoning_key == "from-env"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--unbacked-tools", "maybe"])
+
+
+def test_serve_defaults_are_the_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HARMONY_MODELS", "HARMONY_GATEWAY_API_KEYS", "HARMONY_GATEWAY_ADMIN_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("HARMONY_GATEWAY_REASONING_KEY", raising=False)
+    settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1"]))
+    assert settings == Settings(worker_urls=("grpc://h:1",))
+
+
+def test_options_reach_their_settings_fields() -> None:
+    flags = ["--max-headers", "7", "--drain-timeout", "3", "--admin-host", "0.0.0.0", "--log-json"]
+    flags += ["--tokenizer", "m=/tok", "--mcp-allow-hosts", "a,b", "--mcp-allow-hosts", "c"]
+    flags += ["--workers", "2", "--storage", "sqlite:///x.db", "--conversation-date", "2025-01-02"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", *flags]))
+    assert (settings.max_headers, settings.drain_timeout, settings.admin_host, settings.log_json) == (
+        7,
+        3.0,
+        "0.0.0.0",
+        True,
+    )
+    assert (settings.tokenizer_paths, settings.mcp_allow_hosts) == ({"m": "/tok"}, ("a", "b", "c"))
+    assert (settings.processes, settings.storage_url) == (2, "sqlite:///x.db")
+    assert settings.conversation_start_date == "2025-01-02"
 
 
 def test_reasoning_key_file_keeps_the_key_out_of_the_process_list(

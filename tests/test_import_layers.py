@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "storage": 1,
     "mcp": 1,
     "traffic": 1,
+    "asgi": 0,
     "errors": 0,
     "observability": 0,
     "types": 0,

@@ -18,8 +18,9 @@
         ├── UpstreamRejected      400  (the engine refused the request as invalid)
         └── UpstreamBadOutput     502  (model output that is not Harmony at all)
 
-Each class carries `status_code`, `error_type` and a default `code`; instances may override `code`
-and `param`. Only `api/error_responses.py` and the wires (`wire.py`) turn them into wire bodies.
+Each class carries `status_code`, `error_type` and a default `code`, named in its class line; instances
+may override `code`, `param` and `retry_after`. Only `api/error_responses.py` and the wires (`wire.py`)
+turn them into wire bodies.
 
 Anything else a request or a background response raises is a gateway bug or a dependency's failure: a
 clean 500 (or a failed response) with one log line. `is_failure` says which exceptions count, a Rust
@@ -30,7 +31,10 @@ from __future__ import annotations
 
 
 class GatewayError(Exception):
-    """Base of every error the gateway reports to a client."""
+    """Base of every error the gateway reports to a client.
+
+    A subclass names what it answers with in its class line, and inherits what it leaves out:
+    `class NotFound(GatewayError, status_code=404, error_type=INVALID_REQUEST)`."""
 
     status_code: int = 500
     error_type: str = "server_error"
@@ -38,123 +42,101 @@ class GatewayError(Exception):
     #: Seconds after which a retry may succeed (sent as `retry-after`); None when the error does not say.
     retry_after: float | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init_subclass__(
+        cls, *, status_code: int | None = None, error_type: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init_subclass__()
+        if status_code is not None:
+            cls.status_code = status_code
+        if error_type is not None:
+            cls.error_type = error_type
+        if code is not None:
+            cls.code = code
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
+        if retry_after is not None:
+            self.retry_after = retry_after
 
     def to_dict(self) -> dict[str, object]:
         return {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
 
 
-class InternalError(GatewayError):
+#: The `error_type` of the errors a client can fix by changing its request.
+INVALID_REQUEST = "invalid_request_error"
+
+
+class InternalError(GatewayError, code="internal_error"):
     """A failure that is the gateway's own (a bug, a dependency's panic): answered opaquely, by request id."""
 
-    status_code = 500
-    code = "internal_error"
 
-
-class InvalidRequest(GatewayError):
+class InvalidRequest(GatewayError, status_code=400, error_type=INVALID_REQUEST):
     """Raised when a request is malformed or asks for something the model cannot do."""
 
-    status_code = 400
-    error_type = "invalid_request_error"
 
-
-class AuthenticationFailed(GatewayError):
+class AuthenticationFailed(
+    GatewayError, status_code=401, error_type="authentication_error", code="invalid_api_key"
+):
     """Raised when an API key is missing or unknown."""
 
-    status_code = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
 
-
-class PermissionDenied(GatewayError):
+class PermissionDenied(
+    GatewayError, status_code=403, error_type="permission_error", code="permission_denied"
+):
     """Raised when a known key asks for a route it may not use (a tenant key on the admin plane)."""
 
-    status_code = 403
-    error_type = "permission_error"
-    code = "permission_denied"
 
-
-class NotFound(GatewayError):
+class NotFound(GatewayError, status_code=404, error_type=INVALID_REQUEST):
     """Raised when a named object (response, conversation, item, worker) does not exist or is not visible."""
 
-    status_code = 404
-    error_type = "invalid_request_error"
 
-
-class ModelNotFound(NotFound):
+class ModelNotFound(NotFound, code="model_not_found"):
     """Raised when no worker serves the requested model."""
 
-    code = "model_not_found"
 
-
-class Conflict(GatewayError):
+class Conflict(GatewayError, status_code=409, error_type=INVALID_REQUEST):
     """Raised when the request conflicts with an object's state."""
 
-    status_code = 409
-    error_type = "invalid_request_error"
 
-
-class RequestTimeout(GatewayError):
+class RequestTimeout(GatewayError, status_code=408, error_type=INVALID_REQUEST, code="request_timeout"):
     """Raised when a client sends its request body too slowly (nginx's client_body_timeout)."""
 
-    status_code = 408
-    error_type = "invalid_request_error"
-    code = "request_timeout"
 
-
-class PayloadTooLarge(GatewayError):
+class PayloadTooLarge(GatewayError, status_code=413, error_type=INVALID_REQUEST, code="request_too_large"):
     """Raised when a request body is larger than `--max-body-bytes`."""
 
-    status_code = 413
-    error_type = "invalid_request_error"
-    code = "request_too_large"
 
-
-class RateLimited(GatewayError):
+class RateLimited(GatewayError, status_code=429, error_type="rate_limit_error", code="rate_limit_exceeded"):
     """Raised when a key or address is over its request or token budget, or admission refuses a request
     (its queue is full, or the wait timed out); retry after `retry_after`."""
 
-    status_code = 429
-    error_type = "rate_limit_error"
-    code = "rate_limit_exceeded"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after = retry_after
+    retry_after: float | None = 1.0
 
 
-class Overloaded(GatewayError):
+class Overloaded(GatewayError, status_code=503, code="overloaded"):
     """Raised when the gateway itself cannot take requests now (it is shutting down); another replica
     can, or this one after `retry_after`."""
 
-    status_code = 503
-    error_type = "server_error"
-    code = "overloaded"
-
-    def __init__(self, message: str, *, retry_after: float = 1.0, code: str | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after = retry_after
+    retry_after: float | None = 1.0
 
 
-class NoHealthyWorker(GatewayError):
+class NoHealthyWorker(GatewayError, status_code=503, code="no_healthy_worker"):
     """Raised when no healthy worker can take the request (recoverable once a worker returns)."""
 
-    status_code = 503
-    error_type = "server_error"
-    code = "no_healthy_worker"
 
-
-class UpstreamError(GatewayError):
+class UpstreamError(GatewayError, status_code=502, code="upstream_error"):
     """Raised when the engine failed the request."""
-
-    status_code = 502
-    error_type = "server_error"
-    code = "upstream_error"
 
     #: True when nothing was generated yet, so the request may be retried on another worker.
     retryable: bool = False
@@ -163,35 +145,24 @@ class UpstreamError(GatewayError):
     blames_worker: bool = True
 
 
-class UpstreamTimeout(UpstreamError):
+class UpstreamTimeout(UpstreamError, status_code=504, code="upstream_timeout"):
     """Raised when the engine did not answer within the configured timeout."""
 
-    status_code = 504
-    code = "upstream_timeout"
 
-
-class UpstreamUnavailable(UpstreamError):
+class UpstreamUnavailable(UpstreamError, status_code=503, code="upstream_unavailable"):
     """Raised when the engine cannot be reached; recoverable on another worker."""
 
-    status_code = 503
-    code = "upstream_unavailable"
     retryable = True
 
 
-class UpstreamRejected(UpstreamError):
+class UpstreamRejected(UpstreamError, status_code=400, error_type=INVALID_REQUEST, code="invalid_request"):
     """Raised when the engine rejected the request as invalid (gRPC INVALID_ARGUMENT)."""
 
-    status_code = 400
-    error_type = "invalid_request_error"
-    code = "invalid_request"
     blames_worker = False
 
 
-class UpstreamBadOutput(UpstreamError):
+class UpstreamBadOutput(UpstreamError, code="bad_model_output"):
     """Raised when model output is not Harmony at all; never passed off as content."""
-
-    status_code = 502
-    code = "bad_model_output"
 
 
 def is_panic(exc: BaseException) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harmony_gateway.mcp.approval import ApprovalIds
 from harmony_gateway.mcp.client import McpTool
+from harmony_gateway.mcp.pool import PoolLimits
 from harmony_gateway.mcp.tool_loop import APPROVAL, EXECUTE, OVER_LIMIT, BoundServer, ToolLoop
 from harmony_gateway.pipeline.reasoning_store import ReasoningVault
 from harmony_gateway.storage.memory import MemoryStore
@@ -13,7 +14,9 @@ IDS = ApprovalIds(b"k" * 32, "tenant-a")
 
 
 def tool_loop(max_calls: int, approval: str = "never") -> ToolLoop:
-    loop = ToolLoop(None, max_calls=max_calls, tool_timeout=1.0, max_output_chars=100, approval_ids=IDS)
+    loop = ToolLoop(
+        None, max_calls=max_calls, limits=PoolLimits(tool_timeout=1.0, max_output_chars=100), approval_ids=IDS
+    )
     tools = {"search": McpTool("search", "", {})}
     loop.servers["docs"] = BoundServer("docs", None, tools, approval, owned=False)  # type: ignore[arg-type]
     return loop

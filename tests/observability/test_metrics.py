@@ -8,9 +8,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from harmony_gateway.observability.metrics import GatewayMetrics, finish_request
+from harmony_gateway.observability.metrics import (
+    GatewayMetrics,
+    MetricSet,
+    counter,
+    finish_request,
+    histogram,
+)
 from harmony_gateway.pipeline.context import RequestContext
 
 
@@ -38,6 +45,23 @@ def test_finish_request_records_once_with_one_itl_observation() -> None:
     s = samples(metrics)
     assert s["gateway_requests_total[('model', 'm'), ('route', 'chat'), ('status', '200')]"] == 2
     assert s["gateway_prompt_tokens_total[('model', 'm')]"] == 14
+
+
+class _Declared(MetricSet):
+    hits = counter("test_hits_total", "Hits by kind", ["kind"])
+    wait = histogram("test_wait_seconds", "Waits", buckets=(1.0, 2.0))
+
+
+def test_a_metric_set_builds_its_declared_metrics_on_each_instance_registry() -> None:
+    first, second = _Declared(CollectorRegistry()), _Declared(CollectorRegistry())
+    assert isinstance(first.hits, Counter) and isinstance(first.wait, Histogram)
+    first.hits.labels(kind="a").inc(2)
+    second.wait.observe(1.5)
+    assert first.registry.get_sample_value("test_hits_total", {"kind": "a"}) == 2
+    assert second.registry.get_sample_value("test_hits_total", {"kind": "a"}) is None
+    assert second.registry.get_sample_value("test_wait_seconds_count") == 1
+    names = [family.name for family in first.registry.collect()]
+    assert names == ["test_hits", "test_wait_seconds"]  # declaration order
 
 
 def test_multiprocess_mode_merges_process_files(tmp_path: Path) -> None:

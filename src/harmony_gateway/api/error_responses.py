@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..asgi import HttpMiddleware
 from ..errors import (
     GatewayError,
     InternalError,
@@ -136,7 +137,7 @@ def install_error_handlers(app: FastAPI, routes: RouteMap) -> None:
         return Response(status_code=499)
 
 
-class UnexpectedErrorMiddleware:
+class UnexpectedErrorMiddleware(HttpMiddleware):
     """Pure ASGI, just inside the request-id middleware: what a request raises that no handler took (a
     gateway bug, a dependency's failure, a Rust extension's panic, which derives from BaseException and
     so passes Starlette's server-error middleware) becomes one log line and, if the response has not
@@ -145,13 +146,10 @@ class UnexpectedErrorMiddleware:
     stages that stream write that themselves, see pipeline/drive.py)."""
 
     def __init__(self, app: ASGIApp, routes: RouteMap) -> None:
-        self.app = app
+        super().__init__(app)
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = ended = False
 
         async def tracking_send(message: Message) -> None:

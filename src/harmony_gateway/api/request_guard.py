@@ -15,6 +15,7 @@ from __future__ import annotations
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..asgi import HttpMiddleware
 from ..errors import PayloadTooLarge, RequestTimeout
 from ..traffic.routes import RouteMap
 from ..wire import error_headers
@@ -27,7 +28,7 @@ def too_large_message(limit: int) -> str:
     return f"the request body is larger than this gateway accepts ({limit} bytes; --max-body-bytes)"
 
 
-class RequestGuardMiddleware:
+class RequestGuardMiddleware(HttpMiddleware):
     def __init__(
         self,
         app: ASGIApp,
@@ -36,15 +37,12 @@ class RequestGuardMiddleware:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         routes: RouteMap | None = None,
     ) -> None:
-        self.app = app
+        super().__init__(app)
         self.routes = routes or RouteMap()
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length":

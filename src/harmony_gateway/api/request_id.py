@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
+from ..asgi import HttpMiddleware
 from ..pipeline.context import new_request_id
 
 _WELL_FORMED = re.compile(r"[A-Za-z0-9_.:/+=@-]{1,128}")
@@ -24,14 +25,8 @@ def accepted_request_id(client_id: str | None) -> str:
     return new_request_id()
 
 
-class RequestIdMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestIdMiddleware(HttpMiddleware):
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = accepted_request_id(Headers(scope=scope).get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = request_id
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, TypedDict, TypeVar
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ..errors import InvalidRequest, NotFound
-from ..storage.base import StoredConversation
+from ..pipeline.context import GatewayState
+from ..storage.base import Order, Page, StoredConversation
 from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
 from ..surfaces.responses.service import cancel_response
@@ -23,8 +24,45 @@ from .routes import gateway, json_body, json_response, new_context, owner_of, ss
 
 router = APIRouter()
 
+Found = TypeVar("Found")
 
-def _page_params(request: Request) -> tuple[str | None, int, Literal["asc", "desc"]]:
+
+def _caller(request: Request) -> tuple[GatewayState, str]:
+    """The app's state and the tenant that owns what the request reads and writes (401 when keys are
+    configured and the request has none)."""
+    state = gateway(request)
+    return state, owner_of(state, request)
+
+
+def _not_found(kind: str, object_id: str) -> NotFound:
+    """The 404 for a response, conversation or item the caller cannot see: absent and another
+    tenant's look the same."""
+    return NotFound(f"{kind} with id {object_id!r} not found", param=f"{kind.lower()}_id")
+
+
+def _found(value: Found | None, kind: str, object_id: str) -> Found:
+    """`value`, as the store found it for the caller; the 404 `_not_found` when it found nothing."""
+    if value is None:
+        raise _not_found(kind, object_id)
+    return value
+
+
+def _deleted(deleted: bool, kind: str, object_id: str, object_type: str) -> Response:
+    """OpenAI's answer to a delete, or the 404 when the store deleted nothing the caller can see."""
+    if not deleted:
+        raise _not_found(kind, object_id)
+    return json_response({"id": object_id, "object": object_type, "deleted": True})
+
+
+class PageQuery(TypedDict):
+    """A list endpoint's query, as the store's `list_*` methods take it."""
+
+    after: str | None
+    limit: int
+    order: Order
+
+
+def _page_query(request: Request) -> PageQuery:
     q = request.query_params
     after = q.get("after") or None
     try:
@@ -35,13 +73,13 @@ def _page_params(request: Request) -> tuple[str | None, int, Literal["asc", "des
         raise InvalidRequest("limit must be between 1 and 100", param="limit")
     order = q.get("order", "desc")
     if order == "asc":
-        return after, limit, "asc"
+        return PageQuery(after=after, limit=limit, order="asc")
     if order == "desc":
-        return after, limit, "desc"
+        return PageQuery(after=after, limit=limit, order="desc")
     raise InvalidRequest("order must be 'asc' or 'desc'", param="order")
 
 
-def _list_body(page: Any) -> dict[str, Any]:
+def _list_body(page: Page) -> dict[str, Any]:
     return {
         "object": "list",
         "data": page.data,
@@ -67,13 +105,10 @@ def _starting_after(request: Request) -> int:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request) -> Response:
     """The stored Response; with `stream=true`, its events after `starting_after` (background only)."""
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     stream = request.query_params.get("stream", "").lower() in ("true", "1")
     after = _starting_after(request) if stream else -1
-    record = await state.store.get_response(response_id, owner)
-    if record is None:
-        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
+    record = _found(await state.store.get_response(response_id, owner), "Response", response_id)
     if not stream:
         return json_response(record.response)
     if not record.background:
@@ -97,29 +132,23 @@ async def get_response(response_id: str, request: Request) -> Response:
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
-    if not await state.store.delete_response(response_id, owner):
-        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
-    return json_response({"id": response_id, "object": "response", "deleted": True})
+    state, owner = _caller(request)
+    return _deleted(
+        await state.store.delete_response(response_id, owner), "Response", response_id, "response"
+    )
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel(response_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     return json_response(await cancel_response(state, response_id, owner))
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def input_items(response_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
-    after, limit, order = _page_params(request)
-    page = await state.store.list_input_items(response_id, owner, after=after, limit=limit, order=order)
-    if page is None:
-        raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
-    return json_response(_list_body(page))
+    state, owner = _caller(request)
+    page = await state.store.list_input_items(response_id, owner, **_page_query(request))
+    return json_response(_list_body(_found(page, "Response", response_id)))
 
 
 # -- conversations -----------------------------------------------------------------------------------
@@ -129,8 +158,7 @@ def _conversation_body(conv: StoredConversation) -> dict[str, Any]:
 
 @router.post("/v1/conversations")
 async def create_conversation(request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     req = ConversationCreate.model_validate(await json_body(request))
     items = normalize_items(req.items or [], param="items")
     conv = StoredConversation(
@@ -140,93 +168,70 @@ async def create_conversation(request: Request) -> Response:
     return json_response(_conversation_body(conv))
 
 
-async def _conversation(state: Any, conversation_id: str, owner: str) -> StoredConversation:
+async def _conversation(state: GatewayState, conversation_id: str, owner: str) -> StoredConversation:
     conv = await state.store.get_conversation(conversation_id, owner)
-    if conv is None:
-        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
-    return conv  # type: ignore[no-any-return]
+    return _found(conv, "Conversation", conversation_id)
 
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, request: Request) -> Response:
-    state = gateway(request)
-    return json_response(
-        _conversation_body(await _conversation(state, conversation_id, owner_of(state, request)))
-    )
+    state, owner = _caller(request)
+    return json_response(_conversation_body(await _conversation(state, conversation_id, owner)))
 
 
 @router.post("/v1/conversations/{conversation_id}")
 async def update_conversation(conversation_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     req = ConversationUpdate.model_validate(await json_body(request))
     # `null` clears the metadata, as `{}` does.
     conv = await state.store.update_conversation_metadata(conversation_id, owner, req.metadata or {})
-    if conv is None:
-        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
-    return json_response(_conversation_body(conv))
+    return json_response(_conversation_body(_found(conv, "Conversation", conversation_id)))
 
 
 @router.delete("/v1/conversations/{conversation_id}")
 async def delete_conversation(conversation_id: str, request: Request) -> Response:
-    state = gateway(request)
-    if not await state.store.delete_conversation(conversation_id, owner_of(state, request)):
-        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
-    return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+    state, owner = _caller(request)
+    return _deleted(
+        await state.store.delete_conversation(conversation_id, owner),
+        "Conversation",
+        conversation_id,
+        "conversation.deleted",
+    )
 
 
 @router.get("/v1/conversations/{conversation_id}/items")
 async def list_items(conversation_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
-    after, limit, order = _page_params(request)
-    page = await state.store.list_conversation_items(
-        conversation_id, owner, after=after, limit=limit, order=order
-    )
-    if page is None:
-        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
-    return json_response(_list_body(page))
+    state, owner = _caller(request)
+    page = await state.store.list_conversation_items(conversation_id, owner, **_page_query(request))
+    return json_response(_list_body(_found(page, "Conversation", conversation_id)))
 
 
 @router.post("/v1/conversations/{conversation_id}/items")
 async def add_items(conversation_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     req = ConversationItemsCreate.model_validate(await json_body(request))
     items = normalize_items(req.items, param="items")
     added = await state.store.add_conversation_items(
         conversation_id, owner, items, limits=state.settings.conversation_limits
     )
-    if added is None:
-        raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation_id")
-    data = [entry.item for entry in added]
+    data = [entry.item for entry in _found(added, "Conversation", conversation_id)]
     return json_response(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"],
-            "last_id": data[-1]["id"],
-            "has_more": False,
-        }
+        _list_body(Page(data, has_more=False, first_id=data[0]["id"], last_id=data[-1]["id"]))
     )
 
 
 @router.get("/v1/conversations/{conversation_id}/items/{item_id}")
 async def get_item(conversation_id: str, item_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     await _conversation(state, conversation_id, owner)
     entry = await state.store.get_conversation_item(conversation_id, item_id, owner)
-    if entry is None:
-        raise NotFound(f"Item with id {item_id!r} not found", param="item_id")
-    return json_response(entry.item)
+    return json_response(_found(entry, "Item", item_id).item)
 
 
 @router.delete("/v1/conversations/{conversation_id}/items/{item_id}")
 async def delete_item(conversation_id: str, item_id: str, request: Request) -> Response:
-    state = gateway(request)
-    owner = owner_of(state, request)
+    state, owner = _caller(request)
     conv = await _conversation(state, conversation_id, owner)
     if not await state.store.delete_conversation_item(conversation_id, item_id, owner):
-        raise NotFound(f"Item with id {item_id!r} not found", param="item_id")
+        raise _not_found("Item", item_id)
     return json_response(_conversation_body(conv))

@@ -61,12 +61,7 @@ def owner_of(state: GatewayState, request: Request) -> str:
 
 
 def new_context(
-    request: Request,
-    route: str,
-    state: GatewayState,
-    *,
-    wire: Wire = OPENAI,
-    admin: bool = False,
+    request: Request, route: str, state: GatewayState, *, wire: Wire = OPENAI, admin: bool = False
 ) -> RequestContext:
     """The request's context on `wire`, left in its ASGI state for traffic control (which charges its
     tokens and, when it cuts the request's stream, ends it on its wire)."""

@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidRequest
 from ..observability.logging import configure_logging
@@ -564,90 +564,49 @@ def visible_secret_warning(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: Settings fields made of a repeatable `MODEL=VALUE` option (a dict, by model).
+_PAIR_OPTIONS = {
+    "model_policies": "--model-policy",
+    "tokenizer_paths": "--tokenizer",
+    "reasoning_parsers": "--reasoning-parser",
+    "tool_call_parsers": "--tool-call-parser",
+    "model_aliases": "--model-alias",
+    "text_parsers": "--text-parser",
+}
+#: Settings fields made of a repeatable, comma-separated option of the same name (a tuple).
+_LIST_OPTIONS = ("forwarded_allow_ips", "worker_allow_hosts", "mcp_allow_hosts")
+_SETTINGS_FIELDS = frozenset(f.name for f in fields(Settings))
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The Settings of parsed `serve` options, with the keys the environment and key files add.
+    """The Settings of parsed `serve` options, with the keys the environment and key files add. An
+    option named like a Settings field sets it as parsed; the others are converted here.
 
     Exits (SystemExit with the reason) on an unreadable key file or a malformed `MODEL=VALUE` flag.
     """
+    options = vars(args)
+    as_parsed = {name: value for name, value in options.items() if name in _SETTINGS_FIELDS}
     harmony_models = split_list(args.harmony_models) + split_list([os.environ.get("HARMONY_MODELS", "")])
-    return Settings(
-        host=args.host,
-        port=args.port,
-        worker_urls=tuple(args.worker_url or ()),
-        prefill_urls=tuple(args.prefill or ()),
-        decode_urls=tuple(args.decode or ()),
-        engine=args.engine,
-        harmony_models=frozenset(harmony_models),
-        policy=args.policy,
-        model_policies=pairs(args.model_policy, "--model-policy"),
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        cache_key=args.cache_key,
-        cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold,
-        bootstrap_port=args.bootstrap_port,
-        processes=args.workers,
-        max_body_bytes=args.max_body_bytes,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        max_header_bytes=args.max_header_bytes,
-        max_headers=args.max_headers,
-        max_connections=args.max_connections,
-        forwarded_allow_ips=tuple(split_list(args.forwarded_allow_ips)),
-        max_parse_tokens=args.max_parse_tokens,
-        max_retries=args.max_retries,
-        max_batch_size=args.max_batch_size,
-        batch_concurrency=args.batch_concurrency,
-        stream_interval=_stream_interval(args.stream_interval),
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        health_failure_threshold=args.health_failure_threshold,
-        health_success_threshold=args.health_success_threshold,
-        breaker_failure_threshold=args.breaker_failure_threshold,
-        breaker_cooldown=args.breaker_cooldown,
-        timeouts=Timeouts(first_token=args.first_token_timeout, total=args.request_timeout),
-        conversation_start_date=args.conversation_date,
-        reasoning_fields=args.reasoning_fields,
-        storage_url=args.storage,
-        storage_schema=args.storage_schema,
-        storage_retention=args.storage_retention,
-        max_conversation_items=args.max_conversation_items,
-        max_conversation_bytes=args.max_conversation_bytes,
-        api_keys=_api_keys(args),
-        admin_keys=_admin_keys(args),
-        admin_host=args.admin_host,
-        admin_port=args.admin_port,
-        worker_allow_hosts=tuple(split_list(args.worker_allow_hosts)),
-        protect_metrics=args.protect_metrics,
-        log_level=args.log_level,
-        log_json=args.log_json,
-        log_prompts=args.log_prompts,
-        mcp_config=args.mcp_config,
-        mcp_allow_hosts=tuple(split_list(args.mcp_allow_hosts)),
-        mcp_tool_timeout=args.mcp_tool_timeout,
-        mcp_max_output_chars=args.mcp_max_output_chars,
-        max_tool_calls=args.max_tool_calls,
-        unbacked_tools=args.unbacked_tools,
-        reasoning_key=_reasoning_key(args),
-        tokenizer_paths=pairs(args.tokenizer, "--tokenizer"),
-        reasoning_parsers=pairs(args.reasoning_parser, "--reasoning-parser"),
-        tool_call_parsers=pairs(args.tool_call_parser, "--tool-call-parser"),
-        model_aliases=pairs(args.model_alias, "--model-alias"),
-        text_parsers=pairs(args.text_parser, "--text-parser"),
-        text_parser_window_chars=args.text_parser_window_chars,
-        text_parser_window_seconds=args.text_parser_window_seconds,
-        max_concurrent_requests=args.max_concurrent_requests,
-        queue_size=args.queue_size,
-        queue_timeout=args.queue_timeout,
-        rate_limit=args.rate_limit,
-        token_rate_limit=args.token_rate_limit,
-        rate_limit_store=args.rate_limit_store,
-        key_policies=_key_file(args),
-        drain_timeout=args.drain_timeout,
-        otlp_endpoint=args.otlp_endpoint,
-    )
+    converted: dict[str, Any] = {
+        "worker_urls": tuple(args.worker_url or ()),
+        "prefill_urls": tuple(args.prefill or ()),
+        "decode_urls": tuple(args.decode or ()),
+        "harmony_models": frozenset(harmony_models),
+        "processes": args.workers,
+        "stream_interval": _stream_interval(args.stream_interval),
+        "timeouts": Timeouts(first_token=args.first_token_timeout, total=args.request_timeout),
+        "conversation_start_date": args.conversation_date,
+        "storage_url": args.storage,
+        "api_keys": _api_keys(args),
+        "admin_keys": _admin_keys(args),
+        "reasoning_key": _reasoning_key(args),
+        "key_policies": _key_file(args),
+    }
+    for name, flag in _PAIR_OPTIONS.items():
+        converted[name] = pairs(options[flag[2:].replace("-", "_")], flag)
+    for name in _LIST_OPTIONS:
+        converted[name] = tuple(split_list(options[name]))
+    return Settings(**(as_parsed | converted))
 
 
 def invalid_setting(settings: Settings) -> str | None:

@@ -230,18 +230,14 @@ class Msg(NamedTuple):
     name: str | None = None
 
     def to_harmony(self) -> Message:
-        role = Role(self.role)
-        if self.name:
-            message = Message.from_author_and_content(Author.new(role, self.name), self.text)
-        else:
-            message = Message.from_role_and_content(role, self.text)
-        if self.channel:
-            message = message.with_channel(self.channel)
-        if self.recipient:
-            message = message.with_recipient(self.recipient)
-        if self.content_type:
-            message = message.with_content_type(self.content_type)
-        return message
+        # An empty name, channel, recipient or content type is absent from the rendered header.
+        return Message(
+            author=Author(role=Role(self.role), name=self.name or None),
+            content=[TextContent(text=self.text)],
+            channel=self.channel or None,
+            recipient=self.recipient or None,
+            content_type=self.content_type or None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self._asdict().items() if v is not None}

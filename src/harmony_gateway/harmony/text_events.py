@@ -19,42 +19,48 @@ TerminationReason = Literal["return", "call", "eos"]
 
 
 @dataclass(frozen=True, slots=True)
-class ReasoningDelta:
+class _TextDelta:
+    """A non-empty piece of output text; the subclass says which part of the output it belongs to."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta(_TextDelta):
     """Chain-of-thought text (Harmony `analysis`, text inside `<think>`, text before a marker)."""
 
-    text: str
-
 
 @dataclass(frozen=True, slots=True)
-class ContentDelta:
+class ContentDelta(_TextDelta):
     """Answer text (Harmony `final`, recipient-less `commentary` preambles, anything unclassifiable)."""
 
-    text: str
+
+@dataclass(frozen=True, slots=True)
+class _ToolCallEvent:
+    """An event of tool call `index` (counted 0, 1, ... per parser)."""
+
+    index: int
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallStart:
+class ToolCallStart(_ToolCallEvent):
     """A tool call opens. `name` is the recipient without a `functions.` prefix; `id` is left to the
     gateway unless the upstream supplied one."""
 
-    index: int
     name: str
     id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallArgumentsDelta:
+class ToolCallArgumentsDelta(_ToolCallEvent):
     """A piece of the raw argument text of call `index`, passed on unvalidated."""
 
-    index: int
     text: str
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCallEnd:
+class ToolCallEnd(_ToolCallEvent):
     """Call `index` is complete; no more argument deltas follow for it."""
-
-    index: int
 
 
 @dataclass(frozen=True, slots=True)

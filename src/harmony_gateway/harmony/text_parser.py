@@ -263,22 +263,20 @@ class _Emitter:
             return
         out = self._out
         last = out[-1] if out else None
+        if issubclass(kind, ToolCallArgumentsDelta):
+            if type(last) is ToolCallArgumentsDelta and last.index == index:
+                out[-1] = ToolCallArgumentsDelta(index, last.text + text)
+            else:
+                out.append(ToolCallArgumentsDelta(index, text))
+            return
         if kind is ContentDelta:
             self.stats.content_chars += len(text)
-            if type(last) is ContentDelta:
-                out[-1] = ContentDelta(last.text + text)
-            else:
-                out.append(ContentDelta(text))
-        elif kind is ReasoningDelta:
-            self.stats.reasoning_chars += len(text)
-            if type(last) is ReasoningDelta:
-                out[-1] = ReasoningDelta(last.text + text)
-            else:
-                out.append(ReasoningDelta(text))
-        elif type(last) is ToolCallArgumentsDelta and last.index == index:
-            out[-1] = ToolCallArgumentsDelta(index, last.text + text)
         else:
-            out.append(ToolCallArgumentsDelta(index, text))
+            self.stats.reasoning_chars += len(text)
+        if type(last) is kind:
+            out[-1] = kind(last.text + text)
+        else:
+            out.append(kind(text))
 
 
 class _RunParser(_Emitter):
@@ -310,27 +308,15 @@ class _RunParser(_Emitter):
         raise NotImplementedError
 
 
-class PassThroughParser(_Emitter):
+class PassThroughParser(_RunParser):
     """Everything is content; nothing is held back."""
 
     def __init__(self, *, stats: ParserStats | None = None) -> None:
         self.stats = stats if stats is not None else ParserStats()
         self._finished = False
 
-    def feed(self, chunk: str) -> list[TextEvent]:
-        if self._finished:
-            self.stats.trailing_ignored_chars += len(chunk)
-            return []
-        if not chunk:
-            return []
-        self.stats.content_chars += len(chunk)
-        return [ContentDelta(chunk)]
-
-    def finish(self) -> list[TextEvent]:
-        if self._finished:
-            return []
-        self._finished = True
-        return [Terminated("eos")]
+    def _run(self, chunk: str, final: bool) -> None:
+        self._emit_text(ContentDelta, chunk)
 
 
 class MarkerParser(_RunParser):

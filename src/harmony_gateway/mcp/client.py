@@ -43,12 +43,10 @@ Spawn = Callable[..., Any]
 MAX_TOOL_PAGES = 20
 
 
-class McpServerUnavailable(GatewayError):
+class McpServerUnavailable(
+    GatewayError, status_code=424, error_type="external_connector_error", code="mcp_server_unavailable"
+):
     """Raised when an MCP server cannot be connected to or its tools cannot be listed (before generation)."""
-
-    status_code = 424
-    error_type = "external_connector_error"
-    code = "mcp_server_unavailable"
 
 
 class McpToolFailed(Exception):

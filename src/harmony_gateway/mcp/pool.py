@@ -26,11 +26,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class PoolLimits:
+    """The bounds of MCP work, in seconds and characters: connecting to a server, listing its tools,
+    one tool call, and the tool output fed back to the model (the rest is cut)."""
+
     connect_timeout: float = 10.0
     tool_timeout: float = 30.0
     list_timeout: float = 10.0
     max_output_chars: int = 64_000
-    max_tool_calls: int = 10
 
 
 class McpPool:
@@ -44,7 +46,6 @@ class McpPool:
             tool_timeout=settings.mcp_tool_timeout,
             list_timeout=settings.timeouts.connect,
             max_output_chars=settings.mcp_max_output_chars,
-            max_tool_calls=settings.max_tool_calls,
         )
         self.allow_hosts = HostAllowList(settings.mcp_allow_hosts)
         self._pooled: dict[str, McpConnection] = {}

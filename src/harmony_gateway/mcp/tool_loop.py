@@ -26,6 +26,7 @@ from ..types.tool_names import is_tool_name
 from .approval import ApprovalIds, approval_request_item, needs_approval, validate_policy
 from .client import McpConnection, McpServerUnavailable, McpTool, McpToolFailed
 from .config import ServerConfig
+from .pool import PoolLimits
 from .security import check_server_url
 
 if TYPE_CHECKING:
@@ -240,16 +241,15 @@ class ToolLoop:
         pool: Any,
         *,
         max_calls: int,
-        tool_timeout: float,
-        max_output_chars: int,
+        limits: PoolLimits,
         approval_ids: ApprovalIds,
         metrics: GatewayMetrics | None = None,
     ) -> None:
         self.pool = pool
         self.max_calls = max_calls
         self.approval_ids = approval_ids
-        self.tool_timeout = tool_timeout
-        self.max_output_chars = max_output_chars
+        #: The pool's timeouts and output cap, which every call of the loop keeps to.
+        self.limits = limits
         self.metrics = metrics
         self.servers: dict[str, BoundServer] = {}
         self.browser: BoundServer | None = None
@@ -350,7 +350,7 @@ class ToolLoop:
         try:
             if not server.owned and not connection.alive:
                 connection = server.connection = await self.pool.get(label)
-            result = await connection.call_tool(decision.tool, args, self.tool_timeout)
+            result = await connection.call_tool(decision.tool, args, self.limits.tool_timeout)
         except McpToolFailed as exc:
             outcome = "timeout" if exc.timed_out else "error"
             return self._failed(label, decision.tool, exc.to_error(), time.perf_counter() - started, outcome)
@@ -358,10 +358,10 @@ class ToolLoop:
             error = {"type": "http_error", "code": 502, "message": exc.message}
             return self._failed(label, decision.tool, error, time.perf_counter() - started)
         elapsed = time.perf_counter() - started
-        text = cap_output(result.text, self.max_output_chars)
+        text = cap_output(result.text, self.limits.max_output_chars)
         if result.is_error:
             content = [
-                dict(block, text=cap_output(block["text"], self.max_output_chars))
+                dict(block, text=cap_output(block["text"], self.limits.max_output_chars))
                 if isinstance(block.get("text"), str)
                 else block
                 for block in result.content
@@ -381,7 +381,7 @@ class ToolLoop:
     ) -> CallOutcome:
         self._record(label, tool, outcome, elapsed if elapsed else None)
         if isinstance(error.get("message"), str):
-            error["message"] = cap_output(error["message"], self.max_output_chars)
+            error["message"] = cap_output(error["message"], self.limits.max_output_chars)
         return CallOutcome(None, error, f"Error: {error_text(error)}")
 
     def _record(self, label: str, tool: str, outcome: str, elapsed: float | None) -> None:
@@ -416,8 +416,7 @@ async def open_tool_loop(
     loop = ToolLoop(
         pool,
         max_calls=max_calls,
-        tool_timeout=limits.tool_timeout,
-        max_output_chars=limits.max_output_chars,
+        limits=limits,
         approval_ids=approval_ids,
         metrics=metrics,
     )

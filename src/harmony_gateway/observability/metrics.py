@@ -4,7 +4,8 @@ Nothing here runs per token. `finish_request(ctx)` is the single end-of-request 
 request's counters and histograms from the `RequestContext` (inter-token latency is observed once, as
 (end - first token) / (tokens - 1)) and then writes the request log line. Worker health, in-flight counts
 and circuit-breaker state are read from the fleet at scrape time by `FleetCollector`, so requests never
-touch those gauges.
+touch those gauges. Each group of metrics (these, and traffic control's) is a `MetricSet`: its metrics
+are declared as class attributes (`counter`, `histogram`, `gauge`) and built on the set's registry.
 
 Multi-process servers: when `PROMETHEUS_MULTIPROC_DIR` is set before the gateway starts, prometheus-client
 keeps counter and histogram values in files in that directory and `render()` merges every process's
@@ -21,6 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,6 +44,14 @@ RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 #: `routing.workers.BreakerState` values, named here so observability imports nothing from routing.
 BREAKER_STATES = ("closed", "open", "half_open")
+WORKER_LABELS = ("worker", "url", "kind", "model", "engine")
+ROUTE_MODEL = ("route", "model")
+
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
+#: How prometheus-client merges a gauge's per-process values (`Gauge(multiprocess_mode=...)`).
+MultiprocessMode = Literal[
+    "all", "liveall", "min", "livemin", "max", "livemax", "sum", "livesum", "mostrecent", "livemostrecent"
+]
 
 
 def multiprocess_dir() -> str | None:
@@ -58,12 +68,13 @@ class FleetCollector:
         return []  # collected on demand; nothing to check for name clashes at registration
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["worker", "url", "kind", "model", "engine"]
         healthy = GaugeMetricFamily(
-            "gateway_worker_healthy", "1 if the worker passes health checks", labels=labels
+            "gateway_worker_healthy", "1 if the worker passes health checks", labels=WORKER_LABELS
         )
         in_flight = GaugeMetricFamily(
-            "gateway_worker_in_flight", "Requests the gateway has in flight on the worker", labels=labels
+            "gateway_worker_in_flight",
+            "Requests the gateway has in flight on the worker",
+            labels=WORKER_LABELS,
         )
         breaker = GaugeMetricFamily(
             "gateway_worker_circuit_breaker_state",
@@ -82,126 +93,153 @@ class FleetCollector:
         yield breaker
 
 
-class GatewayMetrics:
+class Declared(Generic[MetricT]):
+    """A metric declared as a class attribute of a `MetricSet` (made by `counter`, `histogram` or
+    `gauge`); every instance of the set builds its own on the set's registry."""
+
+    def __init__(self, build: Callable[[CollectorRegistry], MetricT]) -> None:
+        self.build: Callable[[CollectorRegistry], MetricT] = build
+
+    @overload
+    def __get__(self, instance: None, owner: type[Any]) -> Declared[MetricT]: ...
+
+    @overload
+    def __get__(self, instance: MetricSet, owner: type[Any]) -> MetricT: ...
+
+    def __get__(self, instance: MetricSet | None, owner: type[Any]) -> Declared[MetricT] | MetricT:
+        if instance is None:
+            return self
+        # The set's __init__ puts the built metric on the instance, which hides this descriptor.
+        raise AttributeError(f"{owner.__name__} was not initialised by MetricSet.__init__")
+
+
+class MetricSet:
+    """Metrics declared as class attributes, registered on one `CollectorRegistry` per instance (in
+    declaration order), so each instance's attributes are its own `Counter`, `Histogram` or `Gauge`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        for cls in reversed(type(self).__mro__):
+            for attribute, value in vars(cls).items():
+                if isinstance(value, Declared):
+                    setattr(self, attribute, value.build(registry))
+
+
+def counter(name: str, documentation: str, labels: Sequence[str] = ()) -> Declared[Counter]:
+    return Declared(lambda registry: Counter(name, documentation, labels, registry=registry))
+
+
+def histogram(
+    name: str, documentation: str, labels: Sequence[str] = (), *, buckets: Sequence[float]
+) -> Declared[Histogram]:
+    return Declared(
+        lambda registry: Histogram(name, documentation, labels, buckets=buckets, registry=registry)
+    )
+
+
+def gauge(
+    name: str, documentation: str, labels: Sequence[str] = (), *, multiprocess_mode: MultiprocessMode
+) -> Declared[Gauge]:
+    return Declared(
+        lambda registry: Gauge(
+            name, documentation, labels, registry=registry, multiprocess_mode=multiprocess_mode
+        )
+    )
+
+
+class GatewayMetrics(MetricSet):
     """The gateway's metrics on a per-app `CollectorRegistry` (two apps in one process never collide)."""
 
+    requests = counter(
+        "gateway_requests_total", "Requests by route, model and HTTP status", (*ROUTE_MODEL, "status")
+    )
+    latency = histogram(
+        "gateway_request_duration_seconds",
+        "End-to-end request latency, until the last byte",
+        ROUTE_MODEL,
+        buckets=LATENCY_BUCKETS,
+    )
+    ttft = histogram(
+        "gateway_time_to_first_token_seconds",
+        "From request arrival to the engine's first output",
+        ROUTE_MODEL,
+        buckets=TTFT_BUCKETS,
+    )
+    itl = histogram(
+        "gateway_inter_token_latency_seconds",
+        "Mean time between output tokens, one observation per request",
+        ROUTE_MODEL,
+        buckets=ITL_BUCKETS,
+    )
+    prompt_tokens = counter("gateway_prompt_tokens_total", "Prompt tokens sent to engines", ["model"])
+    completion_tokens = counter(
+        "gateway_completion_tokens_total", "Completion tokens received from engines", ["model"]
+    )
+    retries = counter(
+        "gateway_retries_total", "Engine requests retried on another worker before any output", ["model"]
+    )
+    # The Responses tool loop (surfaces/responses/service/turns.py, mcp/tool_loop.py).
+    mcp_iterations = histogram(
+        "harmony_mcp_iterations",
+        "Model generations per Responses request that offered gateway-executed tools",
+        ["model"],
+        buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
+    )
+    mcp_tool_calls = counter(
+        "gateway_mcp_tool_calls_total",
+        "Gateway-executed tool calls by server, tool and outcome "
+        "(success, tool_error, error, timeout, invalid_arguments)",
+        ["server", "tool", "outcome"],
+    )
+    mcp_tool_latency = histogram(
+        "gateway_mcp_tool_duration_seconds",
+        "Duration of gateway-executed tool calls",
+        ["server", "tool"],
+        buckets=LATENCY_BUCKETS,
+    )
+    harmony_requests = counter("harmony_requests_total", "Requests served by a Harmony model")
+    unbacked_tools_dropped = counter(
+        "gateway_unbacked_tools_dropped_total",
+        "Hosted tools left out of a prompt because nothing on the gateway backs them",
+        ["type"],
+    )
+    harmony_reasoning_budget_exceeded = counter(
+        "harmony_reasoning_budget_exceeded_total",
+        "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
+        ROUTE_MODEL,
+    )
+    harmony_parsing_errors = counter(
+        "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable"
+    )
+    harmony_channel_messages = counter(
+        "harmony_channel_messages_total", "Harmony messages parsed from model output, by channel", ["channel"]
+    )
+    # Recoveries of the token-level parser (by kind) and of the text-level one (HTTP upstreams,
+    # non-Harmony models; kind "text", fed from `ParserStats`).
+    harmony_channel_unexpected_order = counter(
+        "harmony_channel_unexpected_order_total",
+        "Messages out of the expected order: analysis/commentary after a final answer, or a reply ended "
+        "by <|return|> on a message that is not the answer",
+    )
+    harmony_channel_parse_errors = counter(
+        "harmony_channel_parse_errors_total",
+        "Malformed spans in model output the parsers recovered from, by kind",
+        ["kind"],
+    )
+    harmony_marker_fallback = counter(
+        "harmony_marker_fallback_total",
+        "Text outputs without Harmony markers that fell back to a marker or to pass-through",
+        ["fallback"],
+    )
+    harmony_reasoning_answer_ratio = histogram(
+        "harmony_reasoning_answer_ratio",
+        "Reasoning characters per answer character, one observation per choice with an answer",
+        buckets=RATIO_BUCKETS,
+    )
+
     def __init__(self, workers: Callable[[], Iterable[ObservedWorker]] | None = None) -> None:
-        self.registry = CollectorRegistry()
+        super().__init__(CollectorRegistry())
         r = self.registry
-        self.requests = Counter(
-            "gateway_requests_total",
-            "Requests by route, model and HTTP status",
-            ["route", "model", "status"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "gateway_request_duration_seconds",
-            "End-to-end request latency, until the last byte",
-            ["route", "model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "gateway_time_to_first_token_seconds",
-            "From request arrival to the engine's first output",
-            ["route", "model"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "gateway_inter_token_latency_seconds",
-            "Mean time between output tokens, one observation per request",
-            ["route", "model"],
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "gateway_prompt_tokens_total", "Prompt tokens sent to engines", ["model"], registry=r
-        )
-        self.completion_tokens = Counter(
-            "gateway_completion_tokens_total",
-            "Completion tokens received from engines",
-            ["model"],
-            registry=r,
-        )
-        self.retries = Counter(
-            "gateway_retries_total",
-            "Engine requests retried on another worker before any output",
-            ["model"],
-            registry=r,
-        )
-        # The Responses tool loop (surfaces/responses/service/turns.py, mcp/tool_loop.py).
-        self.mcp_iterations = Histogram(
-            "harmony_mcp_iterations",
-            "Model generations per Responses request that offered gateway-executed tools",
-            ["model"],
-            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
-            registry=r,
-        )
-        self.mcp_tool_calls = Counter(
-            "gateway_mcp_tool_calls_total",
-            "Gateway-executed tool calls by server, tool and outcome "
-            "(success, tool_error, error, timeout, invalid_arguments)",
-            ["server", "tool", "outcome"],
-            registry=r,
-        )
-        self.mcp_tool_latency = Histogram(
-            "gateway_mcp_tool_duration_seconds",
-            "Duration of gateway-executed tool calls",
-            ["server", "tool"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.harmony_requests = Counter(
-            "harmony_requests_total", "Requests served by a Harmony model", registry=r
-        )
-        self.unbacked_tools_dropped = Counter(
-            "gateway_unbacked_tools_dropped_total",
-            "Hosted tools left out of a prompt because nothing on the gateway backs them",
-            ["type"],
-            registry=r,
-        )
-        self.harmony_reasoning_budget_exceeded = Counter(
-            "harmony_reasoning_budget_exceeded_total",
-            "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
-            ["route", "model"],
-            registry=r,
-        )
-        self.harmony_parsing_errors = Counter(
-            "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable", registry=r
-        )
-        self.harmony_channel_messages = Counter(
-            "harmony_channel_messages_total",
-            "Harmony messages parsed from model output, by channel",
-            ["channel"],
-            registry=r,
-        )
-        # Recoveries of the token-level parser (by kind) and of the text-level one (HTTP upstreams,
-        # non-Harmony models; kind "text", fed from `ParserStats`).
-        self.harmony_channel_unexpected_order = Counter(
-            "harmony_channel_unexpected_order_total",
-            "Messages out of the expected order: analysis/commentary after a final answer, or a reply ended "
-            "by <|return|> on a message that is not the answer",
-            registry=r,
-        )
-        self.harmony_channel_parse_errors = Counter(
-            "harmony_channel_parse_errors_total",
-            "Malformed spans in model output the parsers recovered from, by kind",
-            ["kind"],
-            registry=r,
-        )
-        self.harmony_marker_fallback = Counter(
-            "harmony_marker_fallback_total",
-            "Text outputs without Harmony markers that fell back to a marker or to pass-through",
-            ["fallback"],
-            registry=r,
-        )
-        self.harmony_reasoning_answer_ratio = Histogram(
-            "harmony_reasoning_answer_ratio",
-            "Reasoning characters per answer character, one observation per choice with an answer",
-            buckets=RATIO_BUCKETS,
-            registry=r,
-        )
         self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
         self._fleet_gauges: _FleetGauges | None = None
@@ -287,33 +325,30 @@ class GatewayMetrics:
         return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
 
 
-class _FleetGauges:
+class _FleetGauges(MetricSet):
     """`FleetCollector`'s gauges as multi-process gauges, set from the fleet when refreshed."""
 
-    _LABELS = ("worker", "url", "kind", "model", "engine")
+    healthy = gauge(
+        "gateway_worker_healthy",
+        "1 if the worker passes health checks",
+        WORKER_LABELS,
+        multiprocess_mode="livemax",
+    )
+    in_flight = gauge(
+        "gateway_worker_in_flight",
+        "Requests the gateway has in flight on the worker, over all its processes",
+        WORKER_LABELS,
+        multiprocess_mode="livesum",
+    )
+    breaker = gauge(
+        "gateway_worker_circuit_breaker_state",
+        "Gateway processes whose circuit breaker for the worker is in this state (closed, open, half_open)",
+        ["worker", "url", "state"],
+        multiprocess_mode="livesum",
+    )
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.healthy = Gauge(
-            "gateway_worker_healthy",
-            "1 if the worker passes health checks",
-            self._LABELS,
-            registry=registry,
-            multiprocess_mode="livemax",
-        )
-        self.in_flight = Gauge(
-            "gateway_worker_in_flight",
-            "Requests the gateway has in flight on the worker, over all its processes",
-            self._LABELS,
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        self.breaker = Gauge(
-            "gateway_worker_circuit_breaker_state",
-            "Gateway processes whose circuit breaker for the worker is in this state (closed, open, half_open)",
-            ["worker", "url", "state"],
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
+        super().__init__(registry)
         self._seen: set[tuple[str, ...]] = set()
 
     def update(self, workers: Iterable[ObservedWorker]) -> None:
@@ -379,4 +414,14 @@ def finish_request(ctx: ObservedRequest) -> None:
     log_request(ctx)
 
 
-__all__ = ["FleetCollector", "GatewayMetrics", "channel_counts", "finish_request", "multiprocess_dir"]
+__all__ = [
+    "FleetCollector",
+    "GatewayMetrics",
+    "MetricSet",
+    "channel_counts",
+    "counter",
+    "finish_request",
+    "gauge",
+    "histogram",
+    "multiprocess_dir",
+]

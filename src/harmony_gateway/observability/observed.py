@@ -1,6 +1,10 @@
 """What observability reads of the gateway, as protocols: a worker (`routing.workers.Worker`) and a
 finished request (`pipeline.context.RequestContext`). Both match structurally, so observability, which
-every layer imports, imports nothing back from the layers it observes."""
+every layer imports, imports nothing back from the layers it observes.
+
+A member is a plain annotation where the implementation holds a field of that very type, and a
+read-only property where it holds a narrower type (an enum, a list, a dict) or computes the value:
+a protocol attribute must match its implementation exactly, a property only covariantly."""
 
 from __future__ import annotations
 
@@ -16,22 +20,18 @@ class Named(Protocol):
 
 
 class ObservedWorker(Protocol):
-    @property
-    def id(self) -> str: ...
-    @property
-    def url(self) -> str: ...
+    id: str
+    url: str
+    engine: str
+    healthy: bool
+    in_flight: int
+
     @property
     def public_url(self) -> str: ...
     @property
     def kind(self) -> Named: ...
     @property
     def model_id(self) -> str: ...
-    @property
-    def engine(self) -> str: ...
-    @property
-    def healthy(self) -> bool: ...
-    @property
-    def in_flight(self) -> int: ...
     @property
     def breaker(self) -> Named: ...
 
@@ -44,35 +44,29 @@ class ObservedMessage(Protocol):
 class ObservedParser(Protocol):
     """A Harmony output parser (`harmony.token_parser.HarmonyOutputParser`) at the end of its output."""
 
+    output_tokens: int
+    unexpected_order: int
+
     @property
     def messages(self) -> Sequence[ObservedMessage]: ...
     @property
     def parse_error(self) -> object | None: ...
     @property
-    def output_tokens(self) -> int: ...
-    @property
     def recoveries(self) -> Mapping[str, int]: ...
-    @property
-    def unexpected_order(self) -> int: ...
 
 
 class ObservedTextStats(Protocol):
     """The counters of a text-level output parser (`harmony.text_parser.ParserStats`)."""
 
+    unexpected_order: int
+    parse_errors: int
+    marker_fallbacks: int
+    passthrough_fallbacks: int
+    content_chars: int
+    reasoning_chars: int
+
     @property
     def channel_messages(self) -> Mapping[str, int]: ...
-    @property
-    def unexpected_order(self) -> int: ...
-    @property
-    def parse_errors(self) -> int: ...
-    @property
-    def marker_fallbacks(self) -> int: ...
-    @property
-    def passthrough_fallbacks(self) -> int: ...
-    @property
-    def content_chars(self) -> int: ...
-    @property
-    def reasoning_chars(self) -> int: ...
 
 
 class ObservedRequest(Protocol):
@@ -81,23 +75,17 @@ class ObservedRequest(Protocol):
 
     finished: bool
     completion_tokens: int
+    request_id: str
+    route: str
+    model: str
+    started: float
+    first_token_at: float | None
+    status: int
+    prompt_tokens: int
+    retries: int
+    #: The app's `GatewayMetrics`, or None.
+    metrics: Any
 
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def route(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def started(self) -> float: ...
-    @property
-    def first_token_at(self) -> float | None: ...
-    @property
-    def status(self) -> int: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def retries(self) -> int: ...
     @property
     def worker(self) -> ObservedWorker | None: ...
     @property
@@ -110,6 +98,3 @@ class ObservedRequest(Protocol):
     #: The counters of text-level output parsers.
     @property
     def text_stats(self) -> Sequence[ObservedTextStats]: ...
-    #: The app's `GatewayMetrics`, or None.
-    @property
-    def metrics(self) -> Any: ...

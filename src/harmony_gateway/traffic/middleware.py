@@ -35,12 +35,13 @@ from typing import Any
 
 import anyio
 import orjson
-from prometheus_client import Counter, Gauge, Histogram
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..asgi import HttpMiddleware
 from ..errors import GatewayError, Overloaded, RateLimited
 from ..observability import tracing
+from ..observability.metrics import MetricSet, counter, gauge, histogram
 from ..principal import authenticate, presented_key
 from ..settings import Settings
 from ..tasks import TaskSupervisor
@@ -58,44 +59,39 @@ log = logging.getLogger(__name__)
 current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("traffic_ticket", default=None)
 
 
-class TrafficMetrics:
-    def __init__(self, registry: Any) -> None:
-        self.admission_in_flight = Gauge(
-            "gateway_admission_in_flight",
-            "Generation requests admitted and not finished",
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        self.admission_queue_depth = Gauge(
-            "gateway_admission_queue_depth",
-            "Generation requests waiting for admission",
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        self.admission_wait = Histogram(
-            "gateway_admission_wait_seconds",
-            "Time admitted requests waited in the queue",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
-            registry=registry,
-        )
-        self.admission_refused = Counter(
-            "gateway_admission_refused_total",
-            "Requests refused by admission, by reason (queue_full, queue_timeout, draining)",
-            ["reason"],
-            registry=registry,
-        )
-        self.rate_limited = Counter(
-            "gateway_rate_limited_total",
-            "Requests refused by a rate limit, by limit (requests, tokens)",
-            ["limit"],
-            registry=registry,
-        )
-        self.rate_limit_store_up = Gauge(
-            "gateway_rate_limit_store_up",
-            "1 while the shared rate-limit store (Redis) answers, 0 while budgets are per process",
-            registry=registry,
-            multiprocess_mode="min",
-        )
+class TrafficMetrics(MetricSet):
+    """Admission and rate-limit metrics, on the app's `GatewayMetrics` registry."""
+
+    admission_in_flight = gauge(
+        "gateway_admission_in_flight",
+        "Generation requests admitted and not finished",
+        multiprocess_mode="livesum",
+    )
+    admission_queue_depth = gauge(
+        "gateway_admission_queue_depth",
+        "Generation requests waiting for admission",
+        multiprocess_mode="livesum",
+    )
+    admission_wait = histogram(
+        "gateway_admission_wait_seconds",
+        "Time admitted requests waited in the queue",
+        buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+    )
+    admission_refused = counter(
+        "gateway_admission_refused_total",
+        "Requests refused by admission, by reason (queue_full, queue_timeout, draining)",
+        ["reason"],
+    )
+    rate_limited = counter(
+        "gateway_rate_limited_total",
+        "Requests refused by a rate limit, by limit (requests, tokens)",
+        ["limit"],
+    )
+    rate_limit_store_up = gauge(
+        "gateway_rate_limit_store_up",
+        "1 while the shared rate-limit store (Redis) answers, 0 while budgets are per process",
+        multiprocess_mode="min",
+    )
 
 
 class Ticket:
@@ -352,16 +348,13 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
-class TrafficMiddleware:
+class TrafficMiddleware(HttpMiddleware):
     def __init__(self, app: ASGIApp, control: TrafficControl, routes: RouteMap) -> None:
-        self.app = app
+        super().__init__(app)
         self.control = control
         self.routes = routes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         headers = Headers(scope=scope)
         attributes: dict[str, Any] = {"http.request.method": scope["method"], "url.path": path}

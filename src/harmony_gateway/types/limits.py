@@ -70,20 +70,17 @@ class ConversationLimits:
         passes a cap; an empty append always passes."""
         if not adding.items:
             return
-        if held.items + adding.items > self.max_items:
-            raise errors.InvalidRequest(
-                f"the conversation holds {held.items} items and this adds {adding.items}; a conversation "
-                f"holds at most {self.max_items}: start a new one",
-                param=param,
-                code=CONVERSATION_TOO_LARGE,
-            )
-        if held.bytes + adding.bytes > self.max_bytes:
-            raise errors.InvalidRequest(
-                f"the conversation holds {held.bytes} bytes of items and this adds {adding.bytes}; a "
-                f"conversation holds at most {self.max_bytes}: start a new one",
-                param=param,
-                code=CONVERSATION_TOO_LARGE,
-            )
+        for unit, held_count, added, cap in (
+            ("items", held.items, adding.items, self.max_items),
+            ("bytes of items", held.bytes, adding.bytes, self.max_bytes),
+        ):
+            if held_count + added > cap:
+                raise errors.InvalidRequest(
+                    f"the conversation holds {held_count} {unit} and this adds {added}; a conversation "
+                    f"holds at most {cap}: start a new one",
+                    param=param,
+                    code=CONVERSATION_TOO_LARGE,
+                )
 
 
 @dataclass(frozen=True, slots=True)
