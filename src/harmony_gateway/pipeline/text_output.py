@@ -18,6 +18,7 @@ way the answer ends at the match, `finish_reason` is `stop`, and the engine requ
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,21 @@ class TextToolCall:
 
 def new_call_id() -> str:
     return "call_" + os.urandom(12).hex()
+
+
+def logprob_entry(token_text: Callable[[int], str], logprob: TokenLogprob) -> dict[str, Any]:
+    """One token's logprob in OpenAI's `Logprob` shape (token, logprob, bytes, top_logprobs), as Chat
+    Completions and Responses report it; `token_text` gives a token id's text."""
+    text = token_text(logprob.token_id)
+    return {
+        "token": text,
+        "logprob": logprob.logprob,
+        "bytes": list(text.encode()),
+        "top_logprobs": [
+            {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
+            for tid, value in logprob.top
+        ],
+    }
 
 
 class TextChoiceOutput:
@@ -318,16 +334,7 @@ class TextChoiceOutput:
     def _add_logprobs(self, logprobs: list[TokenLogprob]) -> None:
         token_text = self._tokenizer.token_text
         for lp in logprobs:
-            text = token_text(lp.token_id)
-            entry = {
-                "token": text,
-                "logprob": lp.logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
-                    for tid, value in lp.top
-                ],
-            }
+            entry = logprob_entry(token_text, lp)
             self.logprobs.append(entry)
             self._pending_logprobs.append(entry)
 
@@ -351,6 +358,7 @@ __all__ = [
     "OutputSpec",
     "TextChoiceOutput",
     "TextToolCall",
+    "logprob_entry",
     "new_call_id",
     "text_parser_stats",
 ]
