@@ -38,7 +38,7 @@ from ..harmony.text_parser import ParserStats
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
 from .output_parsers import ParserChain, build_parser_chain
-from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, StopScanner, chat_finish_reason
+from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChatChoice, StopScanner
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +107,12 @@ def logprob_entry(token_text: Callable[[int], str], logprob: TokenLogprob) -> di
     }
 
 
-class TextChoiceOutput:
+class TextChoiceOutput(ChatChoice):
     """The output of one choice of a text-output model, for Chat Completions (module docstring)."""
 
     def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+        super().__init__(index)
         spec: OutputSpec = prepared.output_adapter
-        self.index = index
         self.chain = spec.new_chain()
         self.stats: ParserStats | None = self.chain.stats if self.chain is not None else None
         self._tokenizer = spec.tokenizer
@@ -121,18 +121,8 @@ class TextChoiceOutput:
             StopScanner(prepared.stop_strings, keep=spec.no_stop_trim) if prepared.stop_strings else None
         )
         self.want_logprobs = prepared.return_logprob
-        self.stop_hit = False
-        self.finished = False
-        self.engine_finish: str | None = None
-        self.matched_stop: int | str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.include_reasoning = True
-        self.content_parts: list[str] = []
         #: With stop strings: the answer text as generated, before any cut (names the matched stop).
         self.answer_seen: list[str] = []
-        self.reasoning_parts: list[str] = []
         self.tool_calls: list[TextToolCall] = []
         self.logprobs: list[dict[str, Any]] = []
         self._pending_logprobs: list[dict[str, Any]] = []
@@ -342,11 +332,6 @@ class TextChoiceOutput:
         """Entries not yet sent on the stream (the stream writer attaches them to the next chunk)."""
         pending, self._pending_logprobs = self._pending_logprobs, []
         return pending
-
-    # -- results ---------------------------------------------------------------------------------
-    @property
-    def finish_reason(self) -> str:
-        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)
 
 
 def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
