@@ -274,7 +274,8 @@ def sampling_options(
 
 
 class SamplingFields(Protocol):
-    """The sampling fields Chat Completions and completions requests both carry."""
+    """The sampling fields Chat Completions, completions and SGLang's `sampling_params` all carry (the
+    seed goes by other names)."""
 
     temperature: float | None
     top_p: float | None
@@ -283,12 +284,11 @@ class SamplingFields(Protocol):
     repetition_penalty: float | None
     frequency_penalty: float | None
     presence_penalty: float | None
-    seed: int | None
     n: int
 
 
-def request_sampling(group: ModelGroup, request: SamplingFields) -> SamplingOptions:
-    """`sampling_options` from the sampling fields Chat and Completions requests both carry."""
+def request_sampling(group: ModelGroup, request: SamplingFields, *, seed: int | None) -> SamplingOptions:
+    """`sampling_options` from a request's sampling fields."""
     return sampling_options(
         group,
         temperature=request.temperature,
@@ -298,7 +298,7 @@ def request_sampling(group: ModelGroup, request: SamplingFields) -> SamplingOpti
         repetition_penalty=request.repetition_penalty,
         frequency_penalty=request.frequency_penalty,
         presence_penalty=request.presence_penalty,
-        seed=request.seed,
+        seed=seed,
         n=request.n,
     )
 

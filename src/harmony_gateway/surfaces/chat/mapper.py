@@ -93,7 +93,7 @@ def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[
         effort=parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort"),
         instructions=instructions,
         history=history,
-        sampling=request_sampling(group, request),
+        sampling=request_sampling(group, request, seed=request.seed),
         tools=tuple(tools),
         response_format=response_format_of(request.response_format, param="response_format", nested=True),
         forces_call=forces_tool_call(request.tool_choice),

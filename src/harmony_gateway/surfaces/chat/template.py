@@ -231,7 +231,7 @@ async def prepare_chat_template(
         prompt, input_ids = await anyio.to_thread.run_sync(render_and_encode, tok, request)
     else:
         prompt, input_ids = render_and_encode(tok, request)
-    sampling = request_sampling(group, request)
+    sampling = request_sampling(group, request, seed=request.seed)
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = list(request.stop_token_ids or ())

@@ -18,9 +18,7 @@ from ...errors import InvalidRequest
 from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ...pipeline.drive import Generation, NothingToSettle, Planned
-from ...pipeline.prepare import (
-    request_sampling,
-)
+from ...pipeline.prepare import request_sampling
 from ...pipeline.raw_prompt import (
     Decoder,
     RawSample,
@@ -137,7 +135,7 @@ async def plan_completions(state: GatewayState, request: CompletionRequest, ctx:
         else:
             ids = await encode_prompt_off_loop(state, group, prompt, param=param, tok=tok)
         prompt_ids.append(ids)
-        sampling = request_sampling(group, request)
+        sampling = request_sampling(group, request, seed=request.seed)
         sampling.stop = stop_list(request.stop)
         sampling.stop_token_ids = list(request.stop_token_ids or ())
         sampling.ignore_eos = request.ignore_eos

@@ -18,9 +18,7 @@ from ...errors import InvalidRequest
 from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, RequestContext
 from ...pipeline.drive import Generation, NothingToSettle, Planned
-from ...pipeline.prepare import (
-    sampling_options,
-)
+from ...pipeline.prepare import request_sampling
 from ...pipeline.raw_prompt import (
     RawSample,
     check_batch_size,
@@ -57,18 +55,7 @@ def _generate_prompts(request: GenerateRequest) -> tuple[list[str | list[int]], 
 
 
 def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> SamplingOptions:
-    sampling = sampling_options(
-        group,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        seed=params.sampling_seed,
-        n=params.n,
-    )
+    sampling = request_sampling(group, params, seed=params.sampling_seed)
     sampling.min_new_tokens = params.min_new_tokens
     sampling.stop = stop_list(params.stop)
     sampling.stop_token_ids = list(params.stop_token_ids or ())
