@@ -169,8 +169,8 @@ class ChatFramer(RequestFramer):
         self._prepared = prepared
         self._writer = writer
         self._choices = choices
-        self._include_usage = include_usage
         self._emitted = [False] * len(choices)
+        self._include_usage = include_usage
         self._ended: list[Choice] = []  # finished choices whose after-turn work is due
         self.unsettled = False
 

@@ -33,6 +33,11 @@ def thinking_signature(text: str) -> str:
     return "hg1." + base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 
+def message_id(ctx: RequestContext) -> str:
+    """The id of the request's message (`msg_` and the request id)."""
+    return "msg_" + ctx.request_id
+
+
 def tool_use_id(call_id: str | None) -> str:
     return "toolu_" + (call_id or tp.new_call_id())[5:]
 
@@ -215,12 +220,10 @@ class MessagesFramer(RequestFramer):
     content block events per engine chunk, then `message_delta` and `message_stop`; a failure is the
     `error` event. Not streaming, it only collects the blocks. A stop sequence ends it early."""
 
-    __slots__ = ("_choice", "_head_due", "_message_id", "_model", "_prepared", "blocks", "unsettled")
+    __slots__ = ("_choice", "_head_due", "_prepared", "blocks", "unsettled")
 
     def __init__(
         self,
-        message_id: str,
-        model: str,
         prepared: PreparedRequest,
         ctx: RequestContext,
         choice: ChoiceOutput | TextChoiceOutput,
@@ -229,8 +232,6 @@ class MessagesFramer(RequestFramer):
         sign: Callable[[str], str] = thinking_signature,
     ) -> None:
         super().__init__(ctx)
-        self._message_id = message_id
-        self._model = model
         self._prepared = prepared
         self._choice = choice
         self._head_due = stream
@@ -244,10 +245,10 @@ class MessagesFramer(RequestFramer):
         start = {
             "type": "message_start",
             "message": {
-                "id": self._message_id,
+                "id": message_id(self._ctx),
                 "type": "message",
                 "role": "assistant",
-                "model": self._model,
+                "model": self._prepared.group.name,
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,

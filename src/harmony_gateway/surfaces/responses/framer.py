@@ -68,13 +68,13 @@ class ResponsesFramer(RequestFramer):
         self._state = state
         self._plan = plan
         self._builder = builder
+        if plan.prepared.return_logprob and builder.token_text is None:
+            builder.token_text = token_texts(state.encoding)
+        ctx.next_sequence = builder.sequence
         self._publish = publish
         self._to_store: dict[str, Any] | None = None  # the final Response, stored before it is told
         self._failed = False
         self.unsettled = False
-        if plan.prepared.return_logprob and builder.token_text is None:
-            builder.token_text = token_texts(state.encoding)
-        ctx.next_sequence = builder.sequence
 
     def _take(self) -> bytes:
         """The builder's new frames, handed to the driver; the request's numbering follows them."""
