@@ -145,7 +145,7 @@ class ResponseBuilder:
         body.update(extra)
         return body
 
-    def item_event(self, event_type: str, item: dict[str, Any], index: int, **fields: Any) -> None:
+    def _item_event(self, event_type: str, item: dict[str, Any], index: int, **fields: Any) -> None:
         """Emit an event about output item `item` at `index`, with `fields` after its id and index."""
         self.emit({"type": event_type, "item_id": item["id"], "output_index": index, **fields})
 
@@ -200,6 +200,7 @@ class ResponseBuilder:
                 item, index = self._open[key]
                 if kind == tp.FUNCTION_CALL:
                     self._input_delta(item, index, text)  # type: ignore[arg-type]
+                # Text deltas are the per-token path: their events are built here, not by `_item_event`.
                 elif kind == tp.REASONING:
                     item["content"][0]["text"] += text
                     self.emit(
@@ -242,7 +243,7 @@ class ResponseBuilder:
         if streamed is not None:
             field, event_type = streamed
             item[field] += text
-            self.item_event(event_type, item, index, delta=text)
+            self._item_event(event_type, item, index, delta=text)
 
     def _start(self, key: int, msg: tp.ParsedMessage) -> None:
         kind = msg.kind
@@ -306,7 +307,7 @@ class ResponseBuilder:
         """Open a reasoning or message item and its one content part."""
         index = self.open_item(item)
         part = _empty_part(item["content"][0]["type"])
-        self.item_event("response.content_part.added", item, index, content_index=0, part=part)
+        self._item_event("response.content_part.added", item, index, content_index=0, part=part)
         return index
 
     def _done(self, key: int, status: str) -> None:
@@ -317,12 +318,12 @@ class ResponseBuilder:
         item["status"] = status
         kind = item["type"]
         if kind == "custom_tool_call":
-            self.item_event("response.custom_tool_call_input.done", item, index, input=item["input"])
+            self._item_event("response.custom_tool_call_input.done", item, index, input=item["input"])
         elif kind == "local_shell_call":
             msg = self._shell_calls.pop(key, None)
             item["action"] = local_shell_action(msg.text if msg is not None else "")
         elif kind == "function_call":
-            self.item_event(
+            self._item_event(
                 "response.function_call_arguments.done",
                 item,
                 index,
@@ -334,12 +335,12 @@ class ResponseBuilder:
             if kind == "reasoning":
                 if self.seal_reasoning is not None:
                     item["encrypted_content"] = self.seal_reasoning(part["text"])
-                self.item_event(
+                self._item_event(
                     "response.reasoning_text.done", item, index, content_index=0, text=part["text"]
                 )
             else:
                 part["logprobs"].extend(self._logprobs.pop(key, ()))
-                self.item_event(
+                self._item_event(
                     "response.output_text.done",
                     item,
                     index,
@@ -347,7 +348,7 @@ class ResponseBuilder:
                     text=part["text"],
                     logprobs=list(part["logprobs"]),
                 )
-            self.item_event("response.content_part.done", item, index, content_index=0, part=part)
+            self._item_event("response.content_part.done", item, index, content_index=0, part=part)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
 
     def close_open(self, status: str = "incomplete") -> None:
@@ -373,9 +374,9 @@ class ResponseBuilder:
         index = len(self.output)
         self.output.append(item)
         self.emit({"type": "response.output_item.added", "output_index": index, "item": dict(item, tools=[])})
-        self.item_event("response.mcp_list_tools.in_progress", item, index)
+        self._item_event("response.mcp_list_tools.in_progress", item, index)
         ending = "failed" if item.get("error") else "completed"
-        self.item_event(f"response.mcp_list_tools.{ending}", item, index)
+        self._item_event(f"response.mcp_list_tools.{ending}", item, index)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
         return index
 
@@ -429,8 +430,8 @@ class ResponseBuilder:
                 "action": browser_action(msg.name or "", msg.text),
             }
             slot.index = self.open_item(slot.item)
-            self.item_event("response.web_search_call.in_progress", slot.item, slot.index)
-            self.item_event("response.web_search_call.searching", slot.item, slot.index)
+            self._item_event("response.web_search_call.in_progress", slot.item, slot.index)
+            self._item_event("response.web_search_call.searching", slot.item, slot.index)
         else:
             self._end_arguments(slot)
         self.awaiting = slot
@@ -450,7 +451,7 @@ class ResponseBuilder:
             item["approval_request_id"] = approval_request_id
         slot.item = item
         slot.index = self.open_item(item)
-        self.item_event("response.mcp_call.in_progress", item, slot.index)
+        self._item_event("response.mcp_call.in_progress", item, slot.index)
 
     def _open_code_call(self, slot: ToolSlot) -> None:
         server = slot.decision.server
@@ -464,16 +465,18 @@ class ResponseBuilder:
         }
         slot.item = item
         slot.index = self.open_item(item)
-        self.item_event("response.code_interpreter_call.in_progress", item, slot.index)
+        self._item_event("response.code_interpreter_call.in_progress", item, slot.index)
 
     def _end_arguments(self, slot: ToolSlot) -> None:
         item = slot.item
         assert item is not None
         if item["type"] == "mcp_call":
-            self.item_event("response.mcp_call_arguments.done", item, slot.index, arguments=item["arguments"])
+            self._item_event(
+                "response.mcp_call_arguments.done", item, slot.index, arguments=item["arguments"]
+            )
         elif item["type"] == "code_interpreter_call":
-            self.item_event("response.code_interpreter_call_code.done", item, slot.index, code=item["code"])
-            self.item_event("response.code_interpreter_call.interpreting", item, slot.index)
+            self._item_event("response.code_interpreter_call_code.done", item, slot.index, code=item["code"])
+            self._item_event("response.code_interpreter_call.interpreting", item, slot.index)
             item["status"] = "interpreting"
 
     def open_approved_call(
@@ -511,15 +514,15 @@ class ResponseBuilder:
             item["error"] = dict(error) if error is not None else None
             item["status"] = status
             ending = "completed" if status == "completed" else "failed"
-            self.item_event(f"response.mcp_call.{ending}", item, index)
+            self._item_event(f"response.mcp_call.{ending}", item, index)
         elif kind == "web_search_call":
             item["status"] = status
-            self.item_event("response.web_search_call.completed", item, index)
+            self._item_event("response.web_search_call.completed", item, index)
         elif kind == "code_interpreter_call":
             text = output if output is not None else error_text(error)
             item["outputs"] = [{"type": "logs", "logs": text}] if text else []
             item["status"] = status
-            self.item_event("response.code_interpreter_call.completed", item, index)
+            self._item_event("response.code_interpreter_call.completed", item, index)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
 
     # -- terminal ---------------------------------------------------------------------------------
