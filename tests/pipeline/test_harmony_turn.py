@@ -14,9 +14,17 @@ import pytest
 from harmony_gateway.errors import InvalidRequest
 from harmony_gateway.harmony.encoding import CALL, RETURN
 from harmony_gateway.harmony.messages import FunctionTool, ToolNamespace
-from harmony_gateway.pipeline.prepare import HarmonyTurn, harmony_request, output_constraint, prepare_harmony
+from harmony_gateway.pipeline.prepare import (
+    HarmonyTurn,
+    harmony_request,
+    output_constraint,
+    prepare_harmony,
+    request_sampling,
+)
 from harmony_gateway.surfaces.chat.mapper import chat_turn
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
+from harmony_gateway.surfaces.completions.types import CompletionRequest
+from harmony_gateway.surfaces.generate.types import SglangSamplingParams
 from harmony_gateway.surfaces.messages.mapper import anthropic_tools, messages_turn
 from harmony_gateway.surfaces.messages.types import MessagesRequest
 from tests.harmony.test_render import (
@@ -153,3 +161,36 @@ def test_the_tail_constrains_forced_calls_and_names_namespaced_functions() -> No
         "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
     ]
     assert prepared.prefix is not None and [ns.name for ns in prepared.prefix.namespaces] == ["crm", "docs"]
+
+
+SAMPLING = {
+    "temperature": 0.3,
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.2,
+    "presence_penalty": -0.2,
+    "n": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("request_type", "extra"),
+    [
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+        (CompletionRequest, {"prompt": "hi"}),
+    ],
+)
+def test_request_sampling_carries_every_sampling_field_and_the_seed(request_type: Any, extra: Any) -> None:
+    request = request_type.model_validate({"model": MODEL, **extra, **SAMPLING, "seed": 7})
+    sampling = request_sampling(model_group(), request, seed=request.seed)
+    assert {name: getattr(sampling, name) for name in SAMPLING} == SAMPLING
+    assert sampling.seed == 7
+
+
+def test_request_sampling_reads_sglang_sampling_params_with_their_own_seed() -> None:
+    params = SglangSamplingParams.model_validate({**SAMPLING, "sampling_seed": 11})
+    sampling = request_sampling(model_group(), params, seed=params.sampling_seed)
+    assert {name: getattr(sampling, name) for name in SAMPLING} == SAMPLING
+    assert sampling.seed == 11

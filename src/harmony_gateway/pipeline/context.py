@@ -61,13 +61,10 @@ class BackgroundResponses(Protocol):
         ...
 
     def start(
-        self,
-        response_id: str,
-        work: Coroutine[Any, Any, None],
-        feed: LiveEvents | None = None,
-        store: Store | None = None,
+        self, response_id: str, work: Coroutine[Any, Any, None], feed: LiveEvents, store: Store
     ) -> None:
-        """Run `work` as the response's task, its `feed` reachable by id until the task ends."""
+        """Run `work` as the response's task, its `feed` reachable by id and a cancel stored in `store`
+        obeyed until the task ends."""
         ...
 
     def feed(self, response_id: str) -> LiveEvents | None:
@@ -237,21 +234,17 @@ class PreparedRequest:
     after_turn: Callable[[FinishedChoice], Awaitable[None]] | None = None
 
 
+#: What a detached context takes from its request's context (besides a copy of `log_extra`).
+DETACHED_FIELDS = ("request_id", "route", "principal", "routing_key", "model", "metrics", "wire")
+
+
 def detached_context(ctx: RequestContext) -> RequestContext:
     """A context for work that outlives the HTTP request of `ctx` (a background response): the same
     request id, owner and routing key, but its own `cleanups`, worker and counters, so the request's
     clean-up never closes an engine stream or tool connection the work still uses. The work runs
     `run_cleanups` on it when it ends; the HTTP request is recorded on its own."""
-    return RequestContext(
-        request_id=ctx.request_id,
-        route=ctx.route,
-        principal=ctx.principal,
-        routing_key=ctx.routing_key,
-        model=ctx.model,
-        log_extra=dict(ctx.log_extra),
-        metrics=ctx.metrics,
-        wire=ctx.wire,
-    )
+    shared = {name: getattr(ctx, name) for name in DETACHED_FIELDS}
+    return RequestContext(**shared, log_extra=dict(ctx.log_extra))
 
 
 async def run_cleanups(ctx: RequestContext) -> None:

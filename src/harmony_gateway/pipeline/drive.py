@@ -80,6 +80,19 @@ class NothingToSettle:
         return None
 
 
+class RequestFramer:
+    """For framers of one request whose failure after the first byte ends with the request's terminal
+    frame, in its wire's shape (`RequestContext.error_frame`)."""
+
+    __slots__ = ("_ctx",)
+
+    def __init__(self, ctx: RequestContext) -> None:
+        self._ctx = ctx
+
+    def error(self, exc: BaseException) -> bytes:
+        return self._ctx.error_frame(exc)
+
+
 async def open_generation(
     state: GatewayState,
     prepared: PreparedRequest,

@@ -97,36 +97,30 @@ class StopScanner:
         return text
 
 
-class ChoiceOutput:
-    """The output of one choice, for Chat Completions."""
+class ChatChoice:
+    """What the output of one chat choice keeps, whether parsed from Harmony tokens (`ChoiceOutput`) or
+    from text (`text_output.TextChoiceOutput`): how it ended, the engine's counts, and the answer,
+    reasoning and tool calls accumulated for non-stream bodies and usage."""
 
     __slots__ = (
-        "_answer_started",
-        "_reasoning_separator_due",
-        "_reasoning_started",
-        "_separator_due",
-        "_stop",
         "cached_tokens",
         "completion_tokens",
         "content_parts",
         "engine_finish",
-        "index",
         "finished",
         "include_reasoning",
+        "index",
         "matched_stop",
-        "parser",
         "prompt_tokens",
         "reasoning_parts",
         "stop_hit",
-        "tool_calls",
     )
 
-    def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+    #: The choice's finished tool calls, in order.
+    tool_calls: Sequence[object]
+
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.parser = tp.HarmonyOutputParser(
-            state.encoding, prepared.function_names, prepared.tool_namespaces
-        )
-        self._stop = StopScanner(prepared.stop_strings) if prepared.stop_strings else None
         self.stop_hit = False
         self.finished = False
         self.engine_finish: str | None = None
@@ -135,13 +129,37 @@ class ChoiceOutput:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.include_reasoning = True
+        self.content_parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+
+    @property
+    def finish_reason(self) -> str:
+        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)
+
+
+class ChoiceOutput(ChatChoice):
+    """The output of one choice, for Chat Completions."""
+
+    __slots__ = (
+        "_answer_started",
+        "_reasoning_separator_due",
+        "_reasoning_started",
+        "_separator_due",
+        "_stop",
+        "parser",
+        "tool_calls",
+    )
+
+    def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+        super().__init__(index)
+        self.parser = tp.HarmonyOutputParser(
+            state.encoding, prepared.function_names, prepared.tool_namespaces
+        )
+        self._stop = StopScanner(prepared.stop_strings) if prepared.stop_strings else None
         self._answer_started = False
         self._reasoning_started = False
         self._separator_due = False
         self._reasoning_separator_due = False
-        # Accumulated results (non-stream bodies and usage).
-        self.content_parts: list[str] = []
-        self.reasoning_parts: list[str] = []
         self.tool_calls: list[tp.ParsedMessage] = []
 
     # -- engine chunks → chat deltas ------------------------------------------------------------
@@ -209,8 +227,3 @@ class ChoiceOutput:
                 elif msg.terminated:
                     self.tool_calls.append(msg)
         return deltas
-
-    # -- results ---------------------------------------------------------------------------------
-    @property
-    def finish_reason(self) -> str:
-        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)

@@ -274,7 +274,8 @@ def sampling_options(
 
 
 class SamplingFields(Protocol):
-    """The sampling fields Chat Completions and completions requests both carry."""
+    """The sampling fields Chat Completions, completions and SGLang's `sampling_params` all carry, under
+    the names of `sampling_options`'s keywords (the seed goes by other names)."""
 
     temperature: float | None
     top_p: float | None
@@ -283,24 +284,13 @@ class SamplingFields(Protocol):
     repetition_penalty: float | None
     frequency_penalty: float | None
     presence_penalty: float | None
-    seed: int | None
     n: int
 
 
-def request_sampling(group: ModelGroup, request: SamplingFields) -> SamplingOptions:
-    """`sampling_options` from the sampling fields Chat and Completions requests both carry."""
-    return sampling_options(
-        group,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        seed=request.seed,
-        n=request.n,
-    )
+def request_sampling(group: ModelGroup, request: SamplingFields, *, seed: int | None) -> SamplingOptions:
+    """`sampling_options` from a request's sampling fields."""
+    fields = {name: getattr(request, name) for name in SamplingFields.__annotations__}
+    return sampling_options(group, seed=seed, **fields)
 
 
 def token_budget(group: ModelGroup, prompt_len: int, requested: int | None, *, param: str) -> int | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import codecs
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -37,7 +38,7 @@ from ..types.limits import INT32_MAX
 from .batch import Batch
 from .context import GatewayState, PreparedRequest, RequestContext
 from .detokenize import IncrementalDetokenizer
-from .drive import open_generation
+from .drive import NothingToSettle, open_generation
 from .prepare import (
     LOOP_ENCODE_CHARS,
     SELECTION_TEXT_CHARS,
@@ -145,6 +146,10 @@ def _special_text(state: GatewayState) -> Callable[[int], str]:
 
 
 # -- preparing a raw prompt -----------------------------------------------------------------------------
+#: One prompt of a raw route: text, or token ids.
+Prompt = str | list[int]
+
+
 def one_group(state: GatewayState, model: str | None) -> ModelGroup:
     if model:
         return state.fleet.group(model)
@@ -163,12 +168,7 @@ async def raw_tokenizer(state: GatewayState, group: ModelGroup) -> ModelTokenize
 
 
 def encode_prompt(
-    state: GatewayState,
-    group: ModelGroup,
-    prompt: str | list[int],
-    *,
-    param: str,
-    tok: ModelTokenizer | None = None,
+    state: GatewayState, group: ModelGroup, prompt: Prompt, *, param: str, tok: ModelTokenizer | None = None
 ) -> list[int]:
     if not isinstance(prompt, str):
         if not prompt:
@@ -193,12 +193,7 @@ def encode_prompt(
 
 
 async def encode_prompt_off_loop(
-    state: GatewayState,
-    group: ModelGroup,
-    prompt: str | list[int],
-    *,
-    param: str,
-    tok: ModelTokenizer | None = None,
+    state: GatewayState, group: ModelGroup, prompt: Prompt, *, param: str, tok: ModelTokenizer | None = None
 ) -> list[int]:
     """`encode_prompt`, in a thread when the prompt is long enough to hold the event loop."""
     if len(prompt) <= LOOP_ENCODE_CHARS:
@@ -340,4 +335,26 @@ def finish_context(ctx: RequestContext, batch: Batch) -> None:
         ctx.worker = batch.children[0].worker
 
 
-# -- /generate ------------------------------------------------------------------------------------------
+# -- framing the samples --------------------------------------------------------------------------------
+@dataclass(slots=True, eq=False)
+class RawFramer(NothingToSettle):
+    """What the `/generate` and `/v1/completions` framers share: the samples of a batch, stop strings left
+    to the engine, and the error event of the request's wire."""
+
+    ctx: RequestContext
+    batch: Batch
+    #: Each prompt's samples (`n` of them), prompt-major.
+    samples: list[list[RawSample]]
+    n: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.n = len(self.samples[0])
+
+    def stopped(self) -> bool:
+        return False  # stop strings are the engine's on these routes
+
+    def error(self, exc: BaseException) -> bytes:
+        return self.ctx.error_frame(exc)
+
+    def completion_tokens(self) -> int:
+        return sum(s.tokens for group in self.samples for s in group)

@@ -18,6 +18,7 @@ way the answer ends at the match, `finish_reason` is `stop`, and the engine requ
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +37,8 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import ParserStats
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
-from .output_spec import OutputSpec
-from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, StopScanner, chat_finish_reason
+from .output_parsers import ParserChain
+from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChatChoice, StopScanner
 
 
 @dataclass(slots=True, eq=False)
@@ -53,14 +54,29 @@ def new_call_id() -> str:
     return "call_" + os.urandom(12).hex()
 
 
-class TextChoiceOutput:
+def logprob_entry(token_text: Callable[[int], str], logprob: TokenLogprob) -> dict[str, Any]:
+    """One token's logprob in OpenAI's `Logprob` shape (token, logprob, bytes, top_logprobs), as Chat
+    Completions and Responses report it; `token_text` gives a token id's text."""
+    text = token_text(logprob.token_id)
+    return {
+        "token": text,
+        "logprob": logprob.logprob,
+        "bytes": list(text.encode()),
+        "top_logprobs": [
+            {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
+            for tid, value in logprob.top
+        ],
+    }
+
+
+class TextChoiceOutput(ChatChoice):
     """The output of one choice of a text-output model, for Chat Completions (module docstring)."""
 
     def __init__(self, state: GatewayState, prepared: PreparedRequest, index: int) -> None:
+        super().__init__(index)
         spec = prepared.output_adapter
         if spec is None:
             raise TypeError("TextChoiceOutput needs a request whose output is text (`output_adapter`)")
-        self.index = index
         self.chain = spec.new_chain()
         self.stats: ParserStats | None = self.chain.stats if self.chain is not None else None
         self._tokenizer = spec.tokenizer
@@ -69,18 +85,8 @@ class TextChoiceOutput:
             StopScanner(prepared.stop_strings, keep=spec.no_stop_trim) if prepared.stop_strings else None
         )
         self.want_logprobs = prepared.return_logprob
-        self.stop_hit = False
-        self.finished = False
-        self.engine_finish: str | None = None
-        self.matched_stop: int | str | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.include_reasoning = True
-        self.content_parts: list[str] = []
         #: With stop strings: the answer text as generated, before any cut (names the matched stop).
         self.answer_seen: list[str] = []
-        self.reasoning_parts: list[str] = []
         self.tool_calls: list[TextToolCall] = []
         self.logprobs: list[dict[str, Any]] = []
         self._pending_logprobs: list[dict[str, Any]] = []
@@ -284,16 +290,7 @@ class TextChoiceOutput:
             return  # a text-mode upstream: logprobs are refused before the request is sent
         token_text = self._tokenizer.token_text
         for lp in logprobs:
-            text = token_text(lp.token_id)
-            entry = {
-                "token": text,
-                "logprob": lp.logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
-                    for tid, value in lp.top
-                ],
-            }
+            entry = logprob_entry(token_text, lp)
             self.logprobs.append(entry)
             self._pending_logprobs.append(entry)
 
@@ -301,11 +298,6 @@ class TextChoiceOutput:
         """Entries not yet sent on the stream (the stream writer attaches them to the next chunk)."""
         pending, self._pending_logprobs = self._pending_logprobs, []
         return pending
-
-    # -- results ---------------------------------------------------------------------------------
-    @property
-    def finish_reason(self) -> str:
-        return chat_finish_reason(self.stop_hit, self.engine_finish, self.tool_calls)
 
 
 def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
@@ -317,6 +309,7 @@ __all__ = [
     "OutputSpec",
     "TextChoiceOutput",
     "TextToolCall",
+    "logprob_entry",
     "new_call_id",
     "text_parser_stats",
 ]

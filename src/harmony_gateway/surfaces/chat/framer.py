@@ -196,27 +196,19 @@ class LogprobChatStreamWriter(ChatStreamWriter):
         entries = choice.take_logprobs() if isinstance(choice, TextChoiceOutput) else []
         return b'{"content":' + orjson.dumps(entries) + b"}" if entries else b"null"
 
-    def _choice(self, index: int, delta: bytes) -> bytes:
+    def _chunk(self, index: int, delta: bytes, finish_reason: bytes) -> bytes:
+        """A chunk of choice `index` carrying its pending logprobs; `finish_reason` is JSON."""
+        logprobs = self._logprobs_bytes(index)
+        opening = self._head + b'{"index":%d,"delta":{' % index + delta
         return (
-            self._head
-            + b'{"index":%d,"delta":{' % index
-            + delta
-            + b'},"logprobs":'
-            + self._logprobs_bytes(index)
-            + b',"finish_reason":null}'
-            + self._tail
+            opening + b'},"logprobs":' + logprobs + b',"finish_reason":' + finish_reason + b"}" + self._tail
         )
 
+    def _choice(self, index: int, delta: bytes) -> bytes:
+        return self._chunk(index, delta, b"null")
+
     def finish_chunk(self, index: int, finish_reason: str) -> bytes:
-        return (
-            self._head
-            + b'{"index":%d,"delta":{},"logprobs":' % index
-            + self._logprobs_bytes(index)
-            + b',"finish_reason":'
-            + orjson.dumps(finish_reason)
-            + b"}"
-            + self._tail
-        )
+        return self._chunk(index, b"", orjson.dumps(finish_reason))
 
 
 def add_logprobs(body: dict[str, Any], choices: list[Any]) -> None:

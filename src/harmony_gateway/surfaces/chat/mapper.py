@@ -6,16 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ...errors import InvalidRequest
-from ...harmony.messages import (
-    Msg,
-    assistant,
-    assistant_call,
-    developer_text,
-    drop_old_analysis,
-    parse_reasoning_effort,
-    tool_result,
-    user,
-)
+from ...harmony.messages import Msg, parse_reasoning_effort, tool_result, user
 from ...observability.tracing import traced
 from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.prepare import (
@@ -29,6 +20,7 @@ from ...pipeline.prepare import (
 )
 from ...pipeline.reasoning_store import AssistantTurn, recall_analyses, restorable_turns, turn_remembering
 from ...routing.fleet import ModelGroup
+from ..harmony_history import HarmonyHistory
 from .content import chat_function_tools, text_of
 from .template import prepare_chat_template
 from .types import ChatCompletionRequest, ChatMessage
@@ -46,37 +38,21 @@ def chat_history(
         for call in message.tool_calls or ():
             call_names[call.id] = call.function.name
 
-    instructions: list[str] = []
-    history: list[Msg] = []
-    leading = True
+    history = HarmonyHistory([])
     for i, message in enumerate(messages):
         role = message.role
         param = f"messages[{i}].content"
         if role in ("system", "developer"):
-            text = text_of(message.content, param=param)
-            if leading:
-                if text:
-                    instructions.append(text)
-            elif text:
-                history.append(developer_text(text))
-            continue
-        leading = False
-        if role == "user":
-            history.append(user(text_of(message.content, param=param)))
+            history.system(text_of(message.content, param=param))
+        elif role == "user":
+            history.add(user(text_of(message.content, param=param)))
         elif role == "assistant":
             reasoning = message.reasoning_content or message.reasoning or (restored or {}).get(i)
-            if reasoning:
-                history.append(assistant(reasoning, "analysis"))
-            text = text_of(message.content, param=param, allow_refusal=True)
-            if message.tool_calls:
-                if text:
-                    history.append(assistant(text, "commentary"))
-                history.extend(
-                    assistant_call("functions." + call.function.name, call.function.arguments or "")
-                    for call in message.tool_calls
-                )
-            elif text:
-                history.append(assistant(text, "final"))
+            history.assistant_turn(
+                [reasoning] if reasoning else [],
+                text_of(message.content, param=param, allow_refusal=True),
+                [(call.function.name, call.function.arguments or "") for call in message.tool_calls or ()],
+            )
         else:  # tool, or the legacy function role
             name = call_names.get(message.tool_call_id or "") or message.name
             if not name:
@@ -84,8 +60,8 @@ def chat_history(
                     "tool message refers to an unknown tool_call_id and has no name",
                     param=f"messages[{i}].tool_call_id",
                 )
-            history.append(tool_result("functions." + name, text_of(message.content, param=param)))
-    return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+            history.add(tool_result("functions." + name, text_of(message.content, param=param)))
+    return history.result()
 
 
 def assistant_turns(messages: Sequence[ChatMessage]) -> Iterator[AssistantTurn]:
@@ -117,7 +93,7 @@ def chat_turn(request: ChatCompletionRequest, group: ModelGroup, restored: dict[
         effort=parse_reasoning_effort(request.reasoning_effort, param="reasoning_effort"),
         instructions=instructions,
         history=history,
-        sampling=request_sampling(group, request),
+        sampling=request_sampling(group, request, seed=request.seed),
         tools=tuple(tools),
         response_format=response_format_of(request.response_format, param="response_format", nested=True),
         forces_call=forces_tool_call(request.tool_choice),

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...engines.base import EngineChunk
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
-from ...pipeline.drive import Generation, NothingToSettle, Planned, open_generation
+from ...pipeline.drive import Generation, NothingToSettle, Planned, RequestFramer, open_generation
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.prepare import prompt_cache_key_of
 from ...pipeline.reasoning_budget import budget_exceeded
@@ -143,13 +143,12 @@ class ChatCollector(NothingToSettle):
         return sum(c.completion_tokens or c.parser.output_tokens for c in self._choices)
 
 
-class ChatFramer:
+class ChatFramer(RequestFramer):
     """Chat Completions chunks: deltas per engine chunk, a finish chunk per choice as it ends (a stop
     string ends it early), then usage when asked and `[DONE]`; a failure is the error chunk."""
 
     __slots__ = (
         "_choices",
-        "_ctx",
         "_emitted",
         "_ended",
         "_include_usage",
@@ -166,12 +165,12 @@ class ChatFramer:
         choices: list[Choice],
         include_usage: bool,
     ) -> None:
+        super().__init__(ctx)
         self._prepared = prepared
-        self._ctx = ctx
         self._writer = writer
         self._choices = choices
-        self._include_usage = include_usage
         self._emitted = [False] * len(choices)
+        self._include_usage = include_usage
         self._ended: list[Choice] = []  # finished choices whose after-turn work is due
         self.unsettled = False
 
@@ -220,9 +219,6 @@ class ChatFramer:
             _note_budget(usage, self._prepared, self._ctx)
             tail += writer.usage_chunk(usage)
         return tail + DONE
-
-    def error(self, exc: BaseException) -> bytes:
-        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens or c.parser.output_tokens for c in self._choices)

@@ -35,15 +35,14 @@ from ...pipeline.output_spec import OutputSpec
 from ...pipeline.prepare import (
     apply_tool_choice,
     request_sampling,
-    stop_strings,
     token_budget,
 )
 from ...pipeline.tokenizer import TOKEN_BREAK, ModelTokenizer
 from ...pipeline.tokenizer_cache import model_tokenizer
 from ...routing.fleet import ModelGroup
-from .content import chat_function_tools, selection_text, text_of
+from .content import chat_function_tools, text_of
 from .types import ChatCompletionRequest
-from .upstream import is_text_group, prepare_chat_passthrough
+from .upstream import is_text_group, non_harmony_prepared, prepare_chat_passthrough
 
 #: Above this many characters of messages, rendering and tokenizing move to a worker thread.
 THREAD_CHARS = 8000
@@ -231,26 +230,21 @@ async def prepare_chat_template(
         prompt, input_ids = await anyio.to_thread.run_sync(render_and_encode, tok, request)
     else:
         prompt, input_ids = render_and_encode(tok, request)
-    sampling = request_sampling(group, request)
+    sampling = request_sampling(group, request, seed=request.seed)
     requested = request.max_completion_tokens or request.max_tokens
     sampling.max_new_tokens = token_budget(group, len(input_ids), requested, param="messages")
     sampling.stop_token_ids = list(request.stop_token_ids or ())
     sampling.ignore_eos = bool(request.ignore_eos)
     # Special tokens (the end-of-turn token) never become text; ids stay ids for logprobs.
     sampling.skip_special_tokens = True
-    return PreparedRequest(
-        group=group,
+    return non_harmony_prepared(
+        request,
+        group,
+        sampling,
+        output_spec(state, group, request, tok),
         input_ids=input_ids,
-        sampling=sampling,
-        selection_text=selection_text(request),
-        stream=request.stream,
-        n=request.n,
-        harmony=False,
-        stop_strings=stop_strings(request.stop),
-        return_logprob=bool(request.logprobs),
-        top_logprobs=request.top_logprobs or 0 if request.logprobs else 0,
         original_text=prompt,
-        output_adapter=output_spec(state, group, request, tok),
+        top_logprobs=request.top_logprobs or 0 if request.logprobs else 0,
     )
 
 

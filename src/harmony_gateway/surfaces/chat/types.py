@@ -4,39 +4,34 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...types.limits import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOOLS,
     Schema,
-    Seed,
     StopParam,
     TokenId,
     ToolDescriptionText,
-    TopK,
     at_most,
     within_history_bound,
 )
+from ...types.request_base import OpenModel, SamplingRequest
 from ...types.tool_names import ToolName
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class FunctionCall(_Open):
+class FunctionCall(OpenModel):
     name: str
     arguments: str | None = None
 
 
-class ToolCall(_Open):
+class ToolCall(OpenModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -46,14 +41,14 @@ class ChatMessage(_Open):
     reasoning: str | None = None
 
 
-class FunctionDefinition(_Open):
+class FunctionDefinition(OpenModel):
     name: ToolName
     description: ToolDescriptionText = None
     parameters: Schema = None
     strict: bool | None = None
 
 
-class ChatTool(_Open):
+class ChatTool(OpenModel):
     type: str
     function: FunctionDefinition | None = None
 
@@ -63,33 +58,24 @@ def _tool_calls(message: dict[str, Any]) -> int:
     return len(calls) if isinstance(calls, list) else 0
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ChatCompletionRequest(_Open):
+class ChatCompletionRequest(SamplingRequest):
     model: str
     messages: Annotated[list[ChatMessage], within_history_bound(_tool_calls, "tool calls")] = Field(
         min_length=1
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=16)
     tools: Annotated[list[ChatTool] | None, at_most(MAX_TOOLS, "tools")] = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stop: StopParam | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: TopK | None = None
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    seed: Seed | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     reasoning_effort: str | None = None

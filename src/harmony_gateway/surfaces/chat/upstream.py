@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...engines.base import SamplingOptions
 from ...errors import InvalidRequest
 from ...pipeline.context import GatewayState, PreparedRequest
 from ...pipeline.output_spec import OutputSpec
@@ -58,22 +59,48 @@ def chat_body(request: ChatCompletionRequest) -> dict[str, Any]:
     return body
 
 
-def prepare_chat_passthrough(
-    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, spec: OutputSpec
+def non_harmony_prepared(
+    request: ChatCompletionRequest,
+    group: ModelGroup,
+    sampling: SamplingOptions,
+    spec: OutputSpec,
+    *,
+    input_ids: list[int],
+    original_text: str,
+    top_logprobs: int,
+    upstream_body: dict[str, dict[str, Any]] | None = None,
 ) -> PreparedRequest:
+    """A chat request to a non-Harmony model, prepared: its prompt rendered by the chat template
+    (`input_ids`), or its body forwarded to an HTTP upstream (`upstream_body`); `spec` parses the text."""
     return PreparedRequest(
         group=group,
-        input_ids=[],
-        sampling=sampling_options(group, temperature=request.temperature, top_p=request.top_p, n=request.n),
+        input_ids=input_ids,
+        sampling=sampling,
         selection_text=selection_text(request),
         stream=request.stream,
         n=request.n,
         harmony=False,
         stop_strings=stop_strings(request.stop),
         return_logprob=bool(request.logprobs),
-        top_logprobs=request.top_logprobs or 0,
-        original_text="",
+        top_logprobs=top_logprobs,
+        original_text=original_text,
         output_adapter=spec,
+        upstream_body=upstream_body,
+    )
+
+
+def prepare_chat_passthrough(
+    state: GatewayState, request: ChatCompletionRequest, group: ModelGroup, spec: OutputSpec
+) -> PreparedRequest:
+    sampling = sampling_options(group, temperature=request.temperature, top_p=request.top_p, n=request.n)
+    return non_harmony_prepared(
+        request,
+        group,
+        sampling,
+        spec,
+        input_ids=[],
+        original_text="",
+        top_logprobs=request.top_logprobs or 0,
         upstream_body={"chat": chat_body(request)},
     )
 
@@ -137,6 +164,7 @@ __all__ = [
     "chat_body",
     "completions_body",
     "is_text_group",
+    "non_harmony_prepared",
     "prepare_chat_passthrough",
     "require_token_engine",
 ]

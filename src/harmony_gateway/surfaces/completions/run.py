@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -17,12 +18,12 @@ from ...engines.base import EngineChunk
 from ...errors import InvalidRequest
 from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, PreparedRequest, RequestContext
-from ...pipeline.drive import Generation, NothingToSettle, Planned
-from ...pipeline.prepare import (
-    request_sampling,
-)
+from ...pipeline.drive import Generation, Planned
+from ...pipeline.prepare import request_sampling
 from ...pipeline.raw_prompt import (
     Decoder,
+    Prompt,
+    RawFramer,
     RawSample,
     check_batch_size,
     decode_all,
@@ -41,7 +42,7 @@ from .types import CompletionRequest
 _dumps = orjson.dumps
 
 
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -89,7 +90,7 @@ class _LogprobBuilder:
 
 
 def completions_passthrough_body(
-    request: CompletionRequest, prompt: str | list[int], prepared: PreparedRequest
+    request: CompletionRequest, prompt: Prompt, prepared: PreparedRequest
 ) -> dict[str, Any]:
     """The `/v1/completions` body for an HTTP upstream: the client's fields (gateway-only ones removed),
     one prompt, the token budget, and for Harmony models the raw-text extensions and assistant stop ids."""
@@ -137,7 +138,7 @@ async def plan_completions(state: GatewayState, request: CompletionRequest, ctx:
         else:
             ids = await encode_prompt_off_loop(state, group, prompt, param=param, tok=tok)
         prompt_ids.append(ids)
-        sampling = request_sampling(group, request)
+        sampling = request_sampling(group, request, seed=request.seed)
         sampling.stop = stop_list(request.stop)
         sampling.stop_token_ids = list(request.stop_token_ids or ())
         sampling.ignore_eos = request.ignore_eos
@@ -168,7 +169,16 @@ async def plan_completions(state: GatewayState, request: CompletionRequest, ctx:
     head = {"id": completion_id, "object": "text_completion", "created": created, "model": group.name}
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     framer = CompletionsFramer(
-        ctx, opened, samples, builders, echoes, prompt_ids, head, logprobs is not None, include_usage
+        ctx,
+        opened,
+        samples,
+        builders,
+        echoes,
+        prompt_ids,
+        head,
+        want_logprobs=logprobs is not None,
+        include_usage=include_usage,
+        streaming=request.stream,
     )
 
     async def body() -> dict[str, Any]:
@@ -201,7 +211,6 @@ async def plan_completions(state: GatewayState, request: CompletionRequest, ctx:
             "usage": _completion_usage(opened, samples),
         }
 
-    framer.streaming = request.stream
     return Generation(opened.source, framer, body=None if request.stream else body)
 
 
@@ -220,54 +229,32 @@ def _completion_usage(opened: Batch, samples: list[list[RawSample]]) -> dict[str
     }
 
 
-class CompletionsFramer(NothingToSettle):
+@dataclass(slots=True, eq=False)
+class CompletionsFramer(RawFramer):
     """`text_completion` chunks: the echoed prompt before a choice's first text, its text (and legacy
     logprobs) per engine chunk, a finish chunk as it ends, then usage when asked and `[DONE]`; a
     failure is the error event. Not streaming (`streaming` false) it only feeds the samples."""
 
-    __slots__ = (
-        "_batch",
-        "_builders",
-        "_ctx",
-        "_echoed",
-        "_echoes",
-        "_head",
-        "_include_usage",
-        "_n",
-        "_prefix",
-        "_prompt_ids",
-        "_samples",
-        "_suffix",
-        "_want_logprobs",
-        "streaming",
-    )
+    #: Each sample's legacy logprobs, as `samples`.
+    builders: list[list[_LogprobBuilder]]
+    #: Each prompt's echoed text ("" without `echo`) and its ids.
+    echoes: list[str]
+    prompt_ids: list[list[int]]
+    #: The chunks' fields before `choices` (id, object, created, model).
+    head: dict[str, Any]
+    want_logprobs: bool
+    include_usage: bool
+    streaming: bool
+    _prefix: bytes = field(init=False)
+    _suffix: bytes = field(init=False)
+    #: Whether each sample's echo went out.
+    _echoed: list[list[bool]] = field(init=False)
 
-    def __init__(
-        self,
-        ctx: RequestContext,
-        batch: Batch,
-        samples: list[list[RawSample]],
-        builders: list[list[_LogprobBuilder]],
-        echoes: list[str],
-        prompt_ids: list[list[int]],
-        head: dict[str, Any],
-        want_logprobs: bool,
-        include_usage: bool,
-    ) -> None:
-        self._ctx = ctx
-        self._batch = batch
-        self._samples = samples
-        self._builders = builders
-        self._echoes = echoes
-        self._prompt_ids = prompt_ids
-        self._head = head
-        self._want_logprobs = want_logprobs
-        self._include_usage = include_usage
-        self._n = len(samples[0])
-        self._prefix = DATA_FIELD + _dumps(head)[:-1] + b',"choices":['
-        self._suffix = (b'],"usage":null}' if include_usage else b"]}") + EVENT_END
-        self._echoed = [[False] * self._n for _ in samples]
-        self.streaming = False
+    def __post_init__(self) -> None:
+        RawFramer.__post_init__(self)
+        self._prefix = DATA_FIELD + _dumps(self.head)[:-1] + b',"choices":['
+        self._suffix = (b'],"usage":null}' if self.include_usage else b"]}") + EVENT_END
+        self._echoed = [[False] * self.n for _ in self.samples]
 
     def _frame(self, index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -276,38 +263,29 @@ class CompletionsFramer(NothingToSettle):
     def feed(self, item: tuple[int, EngineChunk]) -> bytes:
         i, chunk = item
         j = chunk.index
-        sample = self._samples[i][j]
+        sample = self.samples[i][j]
         text = sample.feed(chunk)
         if not self.streaming:
             return b""
         out = b""
-        index = i * self._n + j
+        index = i * self.n + j
         if not self._echoed[i][j]:
             self._echoed[i][j] = True
-            if self._echoes[i]:
-                builder = self._builders[i][j]
-                part = builder.add_prompt(self._prompt_ids[i]) if self._want_logprobs else None
-                out += self._frame(index, self._echoes[i], part, None)
-        logprobs = self._builders[i][j].add(chunk.logprobs or []) if self._want_logprobs else None
+            if self.echoes[i]:
+                builder = self.builders[i][j]
+                part = builder.add_prompt(self.prompt_ids[i]) if self.want_logprobs else None
+                out += self._frame(index, self.echoes[i], part, None)
+        logprobs = self.builders[i][j].add(chunk.logprobs or []) if self.want_logprobs else None
         if text or (logprobs and logprobs["tokens"]):
             out += self._frame(index, text, logprobs, None)
         if chunk.finished:
             out += self._frame(index, "", None, _completion_finish(sample))
         return out
 
-    def stopped(self) -> bool:
-        return False  # stop strings are the engine's on these routes
-
     def tail(self) -> bytes:
-        finish_context(self._ctx, self._batch)
+        finish_context(self.ctx, self.batch)
         out = b""
-        if self._include_usage:
-            usage = _completion_usage(self._batch, self._samples)
-            out += data_frame({**self._head, "choices": [], "usage": usage})
+        if self.include_usage:
+            usage = _completion_usage(self.batch, self.samples)
+            out += data_frame({**self.head, "choices": [], "usage": usage})
         return out + DONE
-
-    def error(self, exc: BaseException) -> bytes:
-        return self._ctx.error_frame(exc)
-
-    def completion_tokens(self) -> int:
-        return sum(s.tokens for group in self._samples for s in group)

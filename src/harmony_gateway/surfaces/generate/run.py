@@ -9,19 +9,19 @@ The body: `{text, output_ids, meta_info: {id, prompt_tokens, completion_tokens, 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from ...engines.base import EngineChunk, SamplingOptions
 from ...errors import InvalidRequest
-from ...pipeline.batch import Batch
 from ...pipeline.context import GatewayState, RequestContext
-from ...pipeline.drive import Generation, NothingToSettle, Planned
-from ...pipeline.prepare import (
-    sampling_options,
-)
+from ...pipeline.drive import Generation, Planned
+from ...pipeline.prepare import request_sampling
 from ...pipeline.raw_prompt import (
+    Prompt,
+    RawFramer,
     RawSample,
     check_batch_size,
     decoder_factory,
@@ -41,7 +41,7 @@ from .types import GenerateRequest, SglangSamplingParams
 _dumps = orjson.dumps
 
 
-def _generate_prompts(request: GenerateRequest) -> tuple[list[str | list[int]], bool]:
+def _generate_prompts(request: GenerateRequest) -> tuple[list[Prompt], bool]:
     """(prompts, batched)."""
     if (request.text is None) == (request.input_ids is None):
         raise InvalidRequest("send exactly one of 'text' and 'input_ids'", param="text")
@@ -57,18 +57,7 @@ def _generate_prompts(request: GenerateRequest) -> tuple[list[str | list[int]], 
 
 
 def _sglang_sampling(group: ModelGroup, params: SglangSamplingParams) -> SamplingOptions:
-    sampling = sampling_options(
-        group,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        seed=params.sampling_seed,
-        n=params.n,
-    )
+    sampling = request_sampling(group, params, seed=params.sampling_seed)
     sampling.min_new_tokens = params.min_new_tokens
     sampling.stop = stop_list(params.stop)
     sampling.stop_token_ids = list(params.stop_token_ids or ())
@@ -166,49 +155,28 @@ async def plan_generate(state: GatewayState, request: GenerateRequest, ctx: Requ
     return Generation(opened.source, framer, body=None if request.stream else body)
 
 
-class GenerateFramer(NothingToSettle):
+@dataclass(slots=True, eq=False)
+class GenerateFramer(RawFramer):
     """`/generate` output: every sample's cumulative state per engine chunk (streamed as `data:`
     events), `[DONE]` at the end; a failure is the OpenAI-style error event."""
 
-    __slots__ = ("_batch", "_ctx", "_n", "_request", "_samples", "_several")
-
-    def __init__(
-        self,
-        ctx: RequestContext,
-        batch: Batch,
-        samples: list[list[RawSample]],
-        request: GenerateRequest,
-        several: bool,
-    ) -> None:
-        self._ctx = ctx
-        self._batch = batch
-        self._samples = samples
-        self._request = request
-        self._several = several
-        self._n = len(samples[0])
+    request: GenerateRequest
+    #: Several prompts or samples: items carry their `index` and the body is a list.
+    several: bool
 
     def feed(self, item: tuple[int, EngineChunk]) -> bytes:
         i, chunk = item
-        sample = self._samples[i][chunk.index]
+        sample = self.samples[i][chunk.index]
         sample.feed(chunk)
-        if not self._request.stream or not (chunk.token_ids or chunk.finished):
+        if not self.request.stream or not (chunk.token_ids or chunk.finished):
             return b""
-        index = i * self._n + chunk.index if self._several else None
-        out = _generate_item(sample, self._batch.children[i].request_id, self._request, index)
+        index = i * self.n + chunk.index if self.several else None
+        out = _generate_item(sample, self.batch.children[i].request_id, self.request, index)
         return data_frame(out)
 
-    def stopped(self) -> bool:
-        return False  # stop strings are the engine's on these routes
-
     def tail(self) -> bytes:
-        finish_context(self._ctx, self._batch)
+        finish_context(self.ctx, self.batch)
         return DONE
-
-    def error(self, exc: BaseException) -> bytes:
-        return self._ctx.error_frame(exc)
-
-    def completion_tokens(self) -> int:
-        return sum(s.tokens for group in self._samples for s in group)
 
 
 # -- /v1/completions ----------------------------------------------------------------------------------

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...types.limits import MAX_STOP_TOKEN_IDS, Seed, StopParam, TokenCount, TokenId, TopK, at_most
+from ...types.request_base import OpenModel
 
 #: SGLang's default for `max_new_tokens`.
 SGLANG_MAX_NEW_TOKENS = 128
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class SglangSamplingParams(_Open):
+class SglangSamplingParams(OpenModel):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: TopK | None = None
@@ -43,7 +40,7 @@ class SglangSamplingParams(_Open):
     stream_interval: int | None = Field(default=None, ge=1, le=1024)
 
 
-class GenerateRequest(_Open):
+class GenerateRequest(OpenModel):
     #: Not an SGLang field: picks the model when the gateway serves several (else the only one).
     model: str | None = None
     text: str | list[str] | None = None

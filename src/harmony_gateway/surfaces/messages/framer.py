@@ -15,6 +15,7 @@ import orjson
 from ...engines.base import EngineChunk
 from ...harmony import token_parser as tp
 from ...pipeline.context import PreparedRequest, RequestContext
+from ...pipeline.drive import RequestFramer
 from ...pipeline.parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChoiceOutput
 from ...pipeline.reasoning_budget import budget_exceeded
 from ...pipeline.text_output import TextChoiceOutput
@@ -30,6 +31,11 @@ def thinking_signature(text: str) -> str:
     models); shown thinking is signed with the gateway key (`ReasoningVault.sign`)."""
     digest = hashlib.sha256(text.encode()).digest()[:24]
     return "hg1." + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def message_id(ctx: RequestContext) -> str:
+    """The id of the request's message (`msg_` and the request id)."""
+    return "msg_" + ctx.request_id
 
 
 def tool_use_id(call_id: str | None) -> str:
@@ -209,17 +215,15 @@ def anthropic_usage(
 
 
 # -- running a request -----------------------------------------------------------------------------
-class MessagesFramer:
+class MessagesFramer(RequestFramer):
     """Anthropic's event protocol: `message_start` (with the first chunk's prompt counts) and `ping`,
     content block events per engine chunk, then `message_delta` and `message_stop`; a failure is the
     `error` event. Not streaming, it only collects the blocks. A stop sequence ends it early."""
 
-    __slots__ = ("_choice", "_ctx", "_head_due", "_message_id", "_model", "_prepared", "blocks", "unsettled")
+    __slots__ = ("_choice", "_head_due", "_prepared", "blocks", "unsettled")
 
     def __init__(
         self,
-        message_id: str,
-        model: str,
         prepared: PreparedRequest,
         ctx: RequestContext,
         choice: ChoiceOutput | TextChoiceOutput,
@@ -227,10 +231,8 @@ class MessagesFramer:
         stream: bool,
         sign: Callable[[str], str] = thinking_signature,
     ) -> None:
-        self._message_id = message_id
-        self._model = model
+        super().__init__(ctx)
         self._prepared = prepared
-        self._ctx = ctx
         self._choice = choice
         self._head_due = stream
         self.blocks = MessageBlocks(stream=stream, sign=sign)
@@ -243,10 +245,10 @@ class MessagesFramer:
         start = {
             "type": "message_start",
             "message": {
-                "id": self._message_id,
+                "id": message_id(self._ctx),
                 "type": "message",
                 "role": "assistant",
-                "model": self._model,
+                "model": self._prepared.group.name,
                 "content": [],
                 "stop_reason": None,
                 "stop_sequence": None,
@@ -292,9 +294,6 @@ class MessagesFramer:
             + encoded_event_frame("message_delta", _dumps(delta))
             + encoded_event_frame("message_stop", b'{"type":"message_stop"}')
         )
-
-    def error(self, exc: BaseException) -> bytes:
-        return self._ctx.error_frame(exc)
 
     def completion_tokens(self) -> int:
         choice = self._choice

@@ -58,11 +58,7 @@ from ...harmony import token_parser as tp
 from ...harmony.messages import (
     FunctionTool,
     Msg,
-    assistant,
-    assistant_call,
     dedupe_function_tools,
-    developer_text,
-    drop_old_analysis,
     parse_reasoning_effort,
     tool_result,
     user,
@@ -89,6 +85,7 @@ from ...routing.fleet import ModelGroup
 from ..chat.template import prepare_chat_template
 from ..chat.types import ChatCompletionRequest
 from ..chat.upstream import attach_harmony_upstream, is_text_group
+from ..harmony_history import HarmonyHistory
 from .framer import thinking_signature
 from .types import CountTokensRequest, MessagesRequest
 
@@ -143,10 +140,8 @@ def thinking_options(request: CountTokensRequest) -> tuple[str, bool, int | None
 
 def _text_blocks(content: str | list[dict[str, Any]] | None, *, param: str) -> str:
     """Text of a string or a list of text blocks; any other block is 400 (gpt-oss reads text only)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if not isinstance(content, list):
+        return content or ""
     pieces = []
     for j, block in enumerate(content):
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -206,27 +201,17 @@ def anthropic_history(
                 if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
                     tool_names[block["id"]] = str(block.get("name") or "")
 
-    instructions: list[str] = []
     system = _text_blocks(request.system, param="system")
-    if system:
-        instructions.append(system)
-    history: list[Msg] = []
-    leading = True
+    history = HarmonyHistory([system] if system else [])
     for i, message in enumerate(request.messages):
         param = f"messages[{i}].content"
         if message.role == "system":
-            text = _text_blocks(message.content, param=param)
-            if leading and text:
-                instructions.append(text)
-            elif text:
-                history.append(developer_text(text))
-            continue
-        leading = False
-        if message.role == "user":
-            _user_message(message.content, tool_names, history, param=param)
+            history.system(_text_blocks(message.content, param=param))
+        elif message.role == "user":
+            history.add(*_user_messages(message.content, tool_names, param=param))
         else:
             _assistant_message(message.content, history, param=param, restored=(restored or {}).get(i))
-    return ("\n\n".join(instructions) or None), drop_old_analysis(history)
+    return history.result()
 
 
 def assistant_turns(request: CountTokensRequest) -> Iterator[AssistantTurn]:
@@ -278,11 +263,16 @@ async def _verify_thinking_signatures(state: GatewayState, request: CountTokensR
             )
 
 
-def _user_message(
-    content: str | list[dict[str, Any]], tool_names: dict[str, str], history: list[Msg], *, param: str
-) -> None:
+#: A user turn's `tool_result` block as sent, with its param (`messages[i].content[j]`).
+_ToolResult = tuple[dict[str, Any], str]
+
+
+def _user_blocks(content: str | list[dict[str, Any]], *, param: str) -> Iterator[str | _ToolResult]:
+    """A user turn in order: each run of text blocks as one text (joined), each `tool_result` block as
+    itself; image and document blocks are 400 (this model reads text only). Lazy, so a caller's check
+    of a tool result fails before any later block is read."""
     if isinstance(content, str):
-        history.append(user(content))
+        yield content
         return
     texts: list[str] = []
     for j, block in enumerate(content):
@@ -291,17 +281,9 @@ def _user_message(
             texts.append(block["text"])
         elif kind == "tool_result":
             if texts:
-                history.append(user(_join(texts)))
+                yield _join(texts)
                 texts = []
-            call_id = block.get("tool_use_id")
-            name = tool_names.get(call_id) if isinstance(call_id, str) else None
-            if not name:
-                raise InvalidRequest(
-                    "tool_result refers to a tool_use id that no assistant message contains",
-                    param=f"{param}[{j}].tool_use_id",
-                )
-            text = _tool_result_text(block.get("content"), param=f"{param}[{j}].content")
-            history.append(tool_result("functions." + name, text))
+            yield block, f"{param}[{j}]"
         elif kind in ("image", "document"):
             raise InvalidRequest(
                 f"content block type {kind!r} is not supported: this model accepts text only",
@@ -310,7 +292,26 @@ def _user_message(
         else:
             raise InvalidRequest(f"unsupported user content block type {kind!r}", param=f"{param}[{j}]")
     if texts:
-        history.append(user(_join(texts)))
+        yield _join(texts)
+
+
+def _user_messages(
+    content: str | list[dict[str, Any]], tool_names: dict[str, str], *, param: str
+) -> Iterator[Msg]:
+    for part in _user_blocks(content, param=param):
+        if isinstance(part, str):
+            yield user(part)
+            continue
+        block, where = part
+        call_id = block.get("tool_use_id")
+        name = tool_names.get(call_id) if isinstance(call_id, str) else None
+        if not name:
+            raise InvalidRequest(
+                "tool_result refers to a tool_use id that no assistant message contains",
+                param=f"{where}.tool_use_id",
+            )
+        text = _tool_result_text(block.get("content"), param=f"{where}.content")
+        yield tool_result("functions." + name, text)
 
 
 def _assistant_blocks(
@@ -343,20 +344,15 @@ def _assistant_blocks(
 
 
 def _assistant_message(
-    content: str | list[dict[str, Any]], history: list[Msg], *, param: str, restored: str | None = None
+    content: str | list[dict[str, Any]], history: HarmonyHistory, *, param: str, restored: str | None = None
 ) -> None:
     if isinstance(content, str):
-        if content:
-            history.append(assistant(content, "final"))
+        history.assistant_turn((), content, ())
         return
     thinking, texts, calls = _assistant_blocks(content, param=param)
     if not thinking and calls and restored:
         thinking = [restored]
-    # The order the model generates: analysis, preamble, calls (REFERENCE §2.3).
-    history.extend(assistant(text, "analysis") for text in thinking)
-    if texts:
-        history.append(assistant(_join(texts), "commentary" if calls else "final"))
-    history.extend(assistant_call("functions." + name, arguments) for _, name, arguments in calls)
+    history.assistant_turn(thinking, _join(texts), [(name, arguments) for _, name, arguments in calls])
 
 
 def anthropic_tools(
@@ -392,34 +388,16 @@ def stop_sequences(values: list[str] | None) -> tuple[str, ...]:
 
 
 def _chat_user(content: str | list[dict[str, Any]], out: list[dict[str, Any]], *, param: str) -> None:
-    if isinstance(content, str):
-        out.append({"role": "user", "content": content})
-        return
-    texts: list[str] = []
-    for j, block in enumerate(content):
-        kind = block.get("type")
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-        elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": _join(texts)})
-                texts = []
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise InvalidRequest(
-                    "tool_result blocks need a tool_use_id", param=f"{param}[{j}].tool_use_id"
-                )
-            text = _tool_result_text(block.get("content"), param=f"{param}[{j}].content")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
-        elif kind in ("image", "document"):
-            raise InvalidRequest(
-                f"content block type {kind!r} is not supported: this model accepts text only",
-                param=f"{param}[{j}]",
-            )
-        else:
-            raise InvalidRequest(f"unsupported user content block type {kind!r}", param=f"{param}[{j}]")
-    if texts:
-        out.append({"role": "user", "content": _join(texts)})
+    for part in _user_blocks(content, param=param):
+        if isinstance(part, str):
+            out.append({"role": "user", "content": part})
+            continue
+        block, where = part
+        call_id = block.get("tool_use_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequest("tool_result blocks need a tool_use_id", param=f"{where}.tool_use_id")
+        text = _tool_result_text(block.get("content"), param=f"{where}.content")
+        out.append({"role": "tool", "tool_call_id": call_id, "content": text})
 
 
 def _chat_assistant(content: str | list[dict[str, Any]], *, param: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from ...pipeline.drive import Generation, Planned, open_generation
 from ...pipeline.parse_output import ChoiceOutput
 from ...pipeline.text_output import TextChoiceOutput, text_parser_stats
 from ..chat.upstream import is_text_group
-from .framer import MessagesFramer, anthropic_usage, stop_reason
+from .framer import MessagesFramer, anthropic_usage, message_id, stop_reason
 from .mapper import MessagesPlan, prepare_messages, resolve_group
 from .types import CountTokensRequest, MessagesRequest
 
@@ -63,10 +63,7 @@ async def plan_messages(state: GatewayState, request: MessagesRequest, ctx: Requ
     choice.include_reasoning = plan.show_thinking
     # Streaming from the engine lets the gateway stop early on a client stop sequence.
     engine_stream = request.stream or bool(prepared.stop_strings)
-    message_id = "msg_" + ctx.request_id
-    framer = MessagesFramer(
-        message_id, group.name, prepared, ctx, choice, stream=request.stream, sign=plan.sign
-    )
+    framer = MessagesFramer(prepared, ctx, choice, stream=request.stream, sign=plan.sign)
 
     def open_stream() -> Awaitable[AsyncIterator[EngineChunk]]:
         return open_generation(state, prepared, ctx, stream=engine_stream)
@@ -79,7 +76,7 @@ async def plan_messages(state: GatewayState, request: MessagesRequest, ctx: Requ
             await prepared.after_turn(choice)  # hook: restorable analysis of tool-call turns
         reason, sequence = stop_reason(choice, prepared.stop_strings)
         return {
-            "id": message_id,
+            "id": message_id(ctx),
             "type": "message",
             "role": "assistant",
             "model": group.name,

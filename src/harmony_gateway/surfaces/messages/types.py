@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...types.limits import (
     INT32_MAX,
@@ -20,14 +20,11 @@ from ...types.limits import (
     at_most,
     within_history_bound,
 )
+from ...types.request_base import OpenModel
 from ...types.tool_names import ToolName
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class MessageParam(_Open):
+class MessageParam(OpenModel):
     #: "system" is the mid-conversation system message of the `mid-conversation-system` beta.
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
@@ -49,7 +46,7 @@ def _tool_blocks(message: dict[str, Any]) -> int:
     )
 
 
-class ToolParam(_Open):
+class ToolParam(OpenModel):
     name: ToolName
     #: None or "custom" for client tools; Anthropic server tools carry a versioned type.
     type: str | None = None
@@ -57,22 +54,22 @@ class ToolParam(_Open):
     input_schema: Schema = None
 
 
-class ToolChoiceParam(_Open):
+class ToolChoiceParam(OpenModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingParam(_Open):
+class ThinkingParam(OpenModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
-class OutputConfigParam(_Open):
+class OutputConfigParam(OpenModel):
     effort: str | None = None
 
 
-class CountTokensRequest(_Open):
+class CountTokensRequest(OpenModel):
     model: str
     messages: Annotated[list[MessageParam], within_history_bound(_tool_blocks, "tool blocks")] = Field(
         min_length=1

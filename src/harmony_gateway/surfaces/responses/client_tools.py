@@ -79,15 +79,19 @@ def client_tool_kinds(tools: list[dict[str, Any]] | None) -> ClientToolKinds:
     return ClientToolKinds(custom, shell)
 
 
-def local_shell_action(arguments: str) -> dict[str, Any]:
-    """The `exec` action of a `local_shell_call` from the call's JSON arguments (a bare string command is
-    split on whitespace; unparseable arguments give an empty command the client will refuse)."""
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's JSON arguments as an object: `{}` when they are empty, not JSON or not an object."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
     except ValueError:
-        value = {}
-    if not isinstance(value, dict):
-        value = {}
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def local_shell_action(arguments: str) -> dict[str, Any]:
+    """The `exec` action of a `local_shell_call` from the call's JSON arguments (a bare string command is
+    split on whitespace; unparseable arguments give an empty command the client will refuse)."""
+    value = arguments_object(arguments)
     command = value.get("command")
     if isinstance(command, str):
         command = command.split()
@@ -120,6 +124,7 @@ __all__ = [
     "CLIENT_TOOL_KINDS",
     "LOCAL_SHELL",
     "ClientToolKinds",
+    "arguments_object",
     "client_tool",
     "client_tool_kinds",
     "local_shell_action",

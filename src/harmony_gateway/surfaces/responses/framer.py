@@ -17,6 +17,7 @@ from typing import Any
 from ...engines.base import EngineChunk
 from ...errors import GatewayError, InvalidRequest, NotFound
 from ...pipeline.context import GatewayState, RequestContext
+from ...pipeline.drive import RequestFramer
 from ...pipeline.reasoning_budget import budget_exceeded
 from ...storage.base import StoredResponse
 from ...types.limits import CONVERSATION_TOO_LARGE
@@ -42,7 +43,7 @@ ACTIVE_STATUSES = frozenset({"queued", "in_progress"})
 Publish = Callable[[list[tuple[dict[str, Any], bytes]]], Awaitable[None]]
 
 
-class ResponsesFramer:
+class ResponsesFramer(RequestFramer):
     """The Responses surface's side of the stream driver (`pipeline.drive.Framer`).
 
     Each engine chunk is parsed into the builder and each tool call that ran is reported; the builder's
@@ -52,7 +53,7 @@ class ResponsesFramer:
     the events handed out (the stream's head is taken right after the framer is made), so a stream cut
     from outside ends with an `error` event numbered after them."""
 
-    __slots__ = ("_builder", "_ctx", "_failed", "_plan", "_publish", "_state", "_to_store", "unsettled")
+    __slots__ = ("_builder", "_failed", "_plan", "_publish", "_state", "_to_store", "unsettled")
 
     def __init__(
         self,
@@ -63,17 +64,17 @@ class ResponsesFramer:
         *,
         publish: Publish | None = None,
     ) -> None:
+        super().__init__(ctx)
         self._state = state
         self._plan = plan
         self._builder = builder
-        self._ctx = ctx
+        if plan.prepared.return_logprob and builder.token_text is None:
+            builder.token_text = token_texts(state.encoding)
+        ctx.next_sequence = builder.sequence
         self._publish = publish
         self._to_store: dict[str, Any] | None = None  # the final Response, stored before it is told
         self._failed = False
         self.unsettled = False
-        if plan.prepared.return_logprob and builder.token_text is None:
-            builder.token_text = token_texts(state.encoding)
-        ctx.next_sequence = builder.sequence
 
     def _take(self) -> bytes:
         """The builder's new frames, handed to the driver; the request's numbering follows them."""

@@ -11,9 +11,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from ...errors import InvalidRequest
-from ...harmony.messages import Msg, assistant, assistant_call, developer_text, tool_result, user
+from ...harmony.messages import Msg, assistant, assistant_call, tool_result, user
 from ...mcp.approval import declined_text
 from ...mcp.tool_loop import error_text
+from ..harmony_history import HarmonyHistory
 from .client_tools import LOCAL_SHELL, local_shell_arguments
 
 ITEM_PREFIXES = {
@@ -265,67 +266,56 @@ def items_to_messages(
     when that list is given (they become the developer message's instructions). `open_reasoning(blob,
     param=...)` decrypts a reasoning item's `encrypted_content` (`reasoning_store.ReasoningVault.open`);
     without it such items render from their `content`."""
-    messages: list[Msg] = []
-    leading = leading_instructions is not None
+    history = HarmonyHistory(leading_instructions)
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
-        kind = item.get("type")
-        if kind == "item_reference":
+        if item.get("type") == "item_reference":
             if resolve_reference is None:
                 raise InvalidRequest(f"item {item.get('id')!r} not found", param=f"{where}.id")
             item = resolve_reference(item["id"], where)
-            kind = item.get("type")
-        if kind == "message":
-            role = item["role"]
-            text = part_text(item.get("content"))
-            if role in ("system", "developer"):
-                if leading and leading_instructions is not None:
-                    if text:
-                        leading_instructions.append(text)
-                elif text:
-                    messages.append(developer_text(text))
-                continue
-            leading = False
-            if role == "user":
-                messages.append(user(text))
-            elif text:
-                messages.append(
-                    assistant(text, "commentary" if item.get("phase") == "commentary" else "final")
-                )
-            continue
-        leading = False
-        if kind == "reasoning":
-            texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
-            sealed = item.get("encrypted_content")
-            if sealed is not None and open_reasoning is not None:
-                # The sealed text is what the gateway produced; a changed blob is a 400, never ignored.
-                texts = [open_reasoning(sealed, param=f"{where}.encrypted_content")]
-            if texts:
-                messages.append(assistant("\n".join(texts), "analysis"))
-        elif kind == "function_call":
-            messages.append(assistant_call(call_recipient(item), item.get("arguments") or ""))
-        elif kind == "custom_tool_call":
-            # Freeform input exactly as generated: no `<|constrain|>json`.
-            messages.append(
-                assistant_call("functions." + item["name"], item.get("input") or "", content_type=None)
+        if item.get("type") == "message" and item["role"] in ("system", "developer"):
+            history.system(part_text(item.get("content")))
+        else:
+            history.add(*_item_messages(item, where, call_names, mcp_replay, open_reasoning))
+    return history.messages
+
+
+def _item_messages(
+    item: dict[str, Any], where: str, call_names: dict[str, str], mcp_replay: Any, open_reasoning: Any
+) -> list[Msg]:
+    """The Harmony messages of one item other than a system or developer message (`items_to_messages`)."""
+    kind = item.get("type")
+    if kind == "message":
+        text = part_text(item.get("content"))
+        if item["role"] == "user":
+            return [user(text)]
+        phase = "commentary" if item.get("phase") == "commentary" else "final"
+        return [assistant(text, phase)] if text else []
+    if kind == "reasoning":
+        texts = [c.get("text", "") for c in item.get("content") or () if isinstance(c, dict)]
+        sealed = item.get("encrypted_content")
+        if sealed is not None and open_reasoning is not None:
+            # The sealed text is what the gateway produced; a changed blob is a 400, never ignored.
+            texts = [open_reasoning(sealed, param=f"{where}.encrypted_content")]
+        return [assistant("\n".join(texts), "analysis")] if texts else []
+    if kind == "function_call":
+        return [assistant_call(call_recipient(item), item.get("arguments") or "")]
+    if kind == "custom_tool_call":
+        # Freeform input exactly as generated: no `<|constrain|>json`.
+        return [assistant_call("functions." + item["name"], item.get("input") or "", content_type=None)]
+    if kind == "local_shell_call":
+        return [assistant_call("functions." + LOCAL_SHELL, local_shell_arguments(item.get("action")))]
+    if kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
+        name = call_names.get(item["call_id"])
+        if name is None:
+            raise InvalidRequest(
+                f"No tool call found for function call output with call_id {item['call_id']!r}",
+                param=f"{where}.call_id",
             )
-        elif kind == "local_shell_call":
-            messages.append(
-                assistant_call("functions." + LOCAL_SHELL, local_shell_arguments(item.get("action")))
-            )
-        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
-            name = call_names.get(item["call_id"])
-            if name is None:
-                raise InvalidRequest(
-                    f"No tool call found for function call output with call_id {item['call_id']!r}",
-                    param=f"{where}.call_id",
-                )
-            messages.append(tool_result(name, part_text(item.get("output"))))
-        elif kind in REPLAYED_KINDS:
-            if mcp_replay is not None:
-                messages.extend(mcp_replay(item))
-        # web_search_call without a stored result: omitted (REFERENCE §2.4)
-    return messages
+        return [tool_result(name, part_text(item.get("output")))]
+    if kind in REPLAYED_KINDS and mcp_replay is not None:
+        return list(mcp_replay(item))
+    return []  # web_search_call without a stored result: omitted (REFERENCE §2.4)
 
 
 REPLAYED_KINDS = frozenset(

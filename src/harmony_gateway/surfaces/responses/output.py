@@ -5,7 +5,6 @@ the terminal event, so the pairing/stack invariant holds on every path, failures
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +14,9 @@ import orjson
 
 from ...harmony import token_parser as tp
 from ...mcp.tool_loop import error_text
+from ...pipeline.text_output import logprob_entry
 from ...sse import encoded_event_frame
-from .client_tools import LOCAL_SHELL, client_tool_kinds, local_shell_action
+from .client_tools import LOCAL_SHELL, arguments_object, client_tool_kinds, local_shell_action
 from .mapper import new_id
 
 _dumps = orjson.dumps
@@ -28,6 +28,22 @@ def frame(event: dict[str, Any]) -> bytes:
 
 _NOT_COMPLETED = {"type": "http_error", "code": 499, "message": "the call was not completed"}
 _CUT = {"type": "mcp_protocol_error", "code": -32602, "message": "generation stopped inside the call"}
+
+#: Call items whose input streams as the model writes it: item type -> (the field that grows, its delta
+#: event). A local_shell_call's action is built from the whole call when it is done.
+_STREAMED_INPUT = {
+    "function_call": ("arguments", "response.function_call_arguments.delta"),
+    "custom_tool_call": ("input", "response.custom_tool_call_input.delta"),
+    "mcp_call": ("arguments", "response.mcp_call_arguments.delta"),
+    "code_interpreter_call": ("code", "response.code_interpreter_call_code.delta"),
+}
+
+
+def _empty_part(part_type: str) -> dict[str, Any]:
+    """A content part before its first delta; a new one each call, so items and events never share it."""
+    if part_type == "reasoning_text":
+        return {"type": "reasoning_text", "text": ""}
+    return {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
 
 
 @dataclass(eq=False, slots=True)
@@ -46,12 +62,7 @@ class ToolSlot:
 
 def browser_action(recipient: str, arguments: str) -> dict[str, Any]:
     """The `action` of a web_search_call item, from the browser call's JSON arguments."""
-    try:
-        args = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        args = {}
-    if not isinstance(args, dict):
-        args = {}
+    args = arguments_object(arguments)
     tool = recipient.partition(".")[2]
     if tool == "open":
         target = args.get("id")
@@ -134,6 +145,10 @@ class ResponseBuilder:
         body.update(extra)
         return body
 
+    def _item_event(self, event_type: str, item: dict[str, Any], index: int, **fields: Any) -> None:
+        """Emit an event about output item `item` at `index`, with `fields` after its id and index."""
+        self.emit({"type": event_type, "item_id": item["id"], "output_index": index, **fields})
+
     def start(self, status: str = "in_progress") -> None:
         """`response.created` with `status` (queued for background), then `response.in_progress`."""
         self.announce_created(status)
@@ -183,28 +198,9 @@ class ResponseBuilder:
                 self._start(key, msg)
             elif etype == tp.DELTA:
                 item, index = self._open[key]
-                if kind == tp.FUNCTION_CALL and item["type"] == "custom_tool_call":
-                    item["input"] += text
-                    self.emit(
-                        {
-                            "type": "response.custom_tool_call_input.delta",
-                            "item_id": item["id"],
-                            "output_index": index,
-                            "delta": text,
-                        }
-                    )
-                elif kind == tp.FUNCTION_CALL and item["type"] == "local_shell_call":
-                    pass  # the action is built from the whole call when it is done
-                elif kind == tp.FUNCTION_CALL:
-                    item["arguments"] += text
-                    self.emit(
-                        {
-                            "type": "response.function_call_arguments.delta",
-                            "item_id": item["id"],
-                            "output_index": index,
-                            "delta": text,
-                        }
-                    )
+                if kind == tp.FUNCTION_CALL:
+                    self._input_delta(item, index, text)  # type: ignore[arg-type]
+                # Text deltas are the per-token path: their events are built here, not by `_item_event`.
                 elif kind == tp.REASONING:
                     item["content"][0]["text"] += text
                     self.emit(
@@ -238,19 +234,16 @@ class ResponseBuilder:
     def add_logprob(self, msg: tp.ParsedMessage, logprob: Any) -> None:
         """Record the logprob (`engines.base.TokenLogprob`) of one answer token of `msg`, in the
         SDK's `Logprob` shape; reported with the message's next text delta."""
-        token_text = self.token_text
-        assert token_text is not None
-        text = token_text(logprob.token_id)
-        entry = {
-            "token": text,
-            "logprob": logprob.logprob,
-            "bytes": list(text.encode()),
-            "top_logprobs": [
-                {"token": (t := token_text(tid)), "logprob": value, "bytes": list(t.encode())}
-                for tid, value in logprob.top
-            ],
-        }
-        self._logprobs.setdefault(id(msg), []).append(entry)
+        assert self.token_text is not None
+        self._logprobs.setdefault(id(msg), []).append(logprob_entry(self.token_text, logprob))
+
+    def _input_delta(self, item: dict[str, Any], index: int, text: str) -> None:
+        """A call item's input grows by `text`, told by the item type's delta event (`_STREAMED_INPUT`)."""
+        streamed = _STREAMED_INPUT.get(item["type"])
+        if streamed is not None:
+            field, event_type = streamed
+            item[field] += text
+            self._item_event(event_type, item, index, delta=text)
 
     def _start(self, key: int, msg: tp.ParsedMessage) -> None:
         kind = msg.kind
@@ -293,19 +286,10 @@ class ResponseBuilder:
                 "type": "reasoning",
                 "id": new_id("rs"),
                 "summary": [],
-                "content": [{"type": "reasoning_text", "text": ""}],
+                "content": [_empty_part("reasoning_text")],
                 "status": "in_progress",
             }
-            index = self.open_item(item)
-            self.emit(
-                {
-                    "type": "response.content_part.added",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": {"type": "reasoning_text", "text": ""},
-                }
-            )
+            index = self._open_with_part(item)
         else:
             item = {
                 "type": "message",
@@ -313,20 +297,18 @@ class ResponseBuilder:
                 "role": "assistant",
                 "status": "in_progress",
                 "phase": "commentary" if kind == tp.PREAMBLE else "final_answer",
-                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+                "content": [_empty_part("output_text")],
             }
-            index = self.open_item(item)
-            self.emit(
-                {
-                    "type": "response.content_part.added",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-                }
-            )
+            index = self._open_with_part(item)
         msg.item_id = item["id"]
         self._open[key] = (item, index)
+
+    def _open_with_part(self, item: dict[str, Any]) -> int:
+        """Open a reasoning or message item and its one content part."""
+        index = self.open_item(item)
+        part = _empty_part(item["content"][0]["type"])
+        self._item_event("response.content_part.added", item, index, content_index=0, part=part)
+        return index
 
     def _done(self, key: int, status: str) -> None:
         entry = self._open.pop(key, None)
@@ -334,72 +316,39 @@ class ResponseBuilder:
             return
         item, index = entry
         item["status"] = status
-        if item["type"] == "custom_tool_call":
-            self.emit(
-                {
-                    "type": "response.custom_tool_call_input.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "input": item["input"],
-                }
-            )
-        elif item["type"] == "local_shell_call":
+        kind = item["type"]
+        if kind == "custom_tool_call":
+            self._item_event("response.custom_tool_call_input.done", item, index, input=item["input"])
+        elif kind == "local_shell_call":
             msg = self._shell_calls.pop(key, None)
             item["action"] = local_shell_action(msg.text if msg is not None else "")
-        elif item["type"] == "function_call":
-            self.emit(
-                {
-                    "type": "response.function_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "name": item["name"],
-                    "arguments": item["arguments"],
-                }
+        elif kind == "function_call":
+            self._item_event(
+                "response.function_call_arguments.done",
+                item,
+                index,
+                name=item["name"],
+                arguments=item["arguments"],
             )
-        elif item["type"] == "reasoning":
+        else:  # reasoning or message: the text, then its part
             part = item["content"][0]
-            if self.seal_reasoning is not None:
-                item["encrypted_content"] = self.seal_reasoning(part["text"])
-            self.emit(
-                {
-                    "type": "response.reasoning_text.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": part["text"],
-                }
-            )
-            self.emit(
-                {
-                    "type": "response.content_part.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": part,
-                }
-            )
-        else:
-            part = item["content"][0]
-            part["logprobs"].extend(self._logprobs.pop(key, ()))
-            self.emit(
-                {
-                    "type": "response.output_text.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "text": part["text"],
-                    "logprobs": list(part["logprobs"]),
-                }
-            )
-            self.emit(
-                {
-                    "type": "response.content_part.done",
-                    "item_id": item["id"],
-                    "output_index": index,
-                    "content_index": 0,
-                    "part": part,
-                }
-            )
+            if kind == "reasoning":
+                if self.seal_reasoning is not None:
+                    item["encrypted_content"] = self.seal_reasoning(part["text"])
+                self._item_event(
+                    "response.reasoning_text.done", item, index, content_index=0, text=part["text"]
+                )
+            else:
+                part["logprobs"].extend(self._logprobs.pop(key, ()))
+                self._item_event(
+                    "response.output_text.done",
+                    item,
+                    index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=list(part["logprobs"]),
+                )
+            self._item_event("response.content_part.done", item, index, content_index=0, part=part)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
 
     def close_open(self, status: str = "incomplete") -> None:
@@ -425,11 +374,9 @@ class ResponseBuilder:
         index = len(self.output)
         self.output.append(item)
         self.emit({"type": "response.output_item.added", "output_index": index, "item": dict(item, tools=[])})
-        self.emit(
-            {"type": "response.mcp_list_tools.in_progress", "item_id": item["id"], "output_index": index}
-        )
+        self._item_event("response.mcp_list_tools.in_progress", item, index)
         ending = "failed" if item.get("error") else "completed"
-        self.emit({"type": f"response.mcp_list_tools.{ending}", "item_id": item["id"], "output_index": index})
+        self._item_event(f"response.mcp_list_tools.{ending}", item, index)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
         return index
 
@@ -452,28 +399,8 @@ class ResponseBuilder:
             return
         item = slot.item
         if etype == tp.DELTA:
-            if item is None or not text:
-                return
-            if item["type"] == "mcp_call":
-                item["arguments"] += text
-                self.emit(
-                    {
-                        "type": "response.mcp_call_arguments.delta",
-                        "item_id": item["id"],
-                        "output_index": slot.index,
-                        "delta": text,
-                    }
-                )
-            elif item["type"] == "code_interpreter_call":
-                item["code"] += text
-                self.emit(
-                    {
-                        "type": "response.code_interpreter_call_code.delta",
-                        "item_id": item["id"],
-                        "output_index": slot.index,
-                        "delta": text,
-                    }
-                )
+            if item is not None and text:
+                self._input_delta(item, slot.index, text)
             return
         # DONE
         decision = slot.decision
@@ -503,20 +430,8 @@ class ResponseBuilder:
                 "action": browser_action(msg.name or "", msg.text),
             }
             slot.index = self.open_item(slot.item)
-            self.emit(
-                {
-                    "type": "response.web_search_call.in_progress",
-                    "item_id": slot.item["id"],
-                    "output_index": slot.index,
-                }
-            )
-            self.emit(
-                {
-                    "type": "response.web_search_call.searching",
-                    "item_id": slot.item["id"],
-                    "output_index": slot.index,
-                }
-            )
+            self._item_event("response.web_search_call.in_progress", slot.item, slot.index)
+            self._item_event("response.web_search_call.searching", slot.item, slot.index)
         else:
             self._end_arguments(slot)
         self.awaiting = slot
@@ -536,9 +451,7 @@ class ResponseBuilder:
             item["approval_request_id"] = approval_request_id
         slot.item = item
         slot.index = self.open_item(item)
-        self.emit(
-            {"type": "response.mcp_call.in_progress", "item_id": item["id"], "output_index": slot.index}
-        )
+        self._item_event("response.mcp_call.in_progress", item, slot.index)
 
     def _open_code_call(self, slot: ToolSlot) -> None:
         server = slot.decision.server
@@ -552,42 +465,18 @@ class ResponseBuilder:
         }
         slot.item = item
         slot.index = self.open_item(item)
-        self.emit(
-            {
-                "type": "response.code_interpreter_call.in_progress",
-                "item_id": item["id"],
-                "output_index": slot.index,
-            }
-        )
+        self._item_event("response.code_interpreter_call.in_progress", item, slot.index)
 
     def _end_arguments(self, slot: ToolSlot) -> None:
         item = slot.item
         assert item is not None
         if item["type"] == "mcp_call":
-            self.emit(
-                {
-                    "type": "response.mcp_call_arguments.done",
-                    "item_id": item["id"],
-                    "output_index": slot.index,
-                    "arguments": item["arguments"],
-                }
+            self._item_event(
+                "response.mcp_call_arguments.done", item, slot.index, arguments=item["arguments"]
             )
         elif item["type"] == "code_interpreter_call":
-            self.emit(
-                {
-                    "type": "response.code_interpreter_call_code.done",
-                    "item_id": item["id"],
-                    "output_index": slot.index,
-                    "code": item["code"],
-                }
-            )
-            self.emit(
-                {
-                    "type": "response.code_interpreter_call.interpreting",
-                    "item_id": item["id"],
-                    "output_index": slot.index,
-                }
-            )
+            self._item_event("response.code_interpreter_call_code.done", item, slot.index, code=item["code"])
+            self._item_event("response.code_interpreter_call.interpreting", item, slot.index)
             item["status"] = "interpreting"
 
     def open_approved_call(
@@ -597,15 +486,7 @@ class ResponseBuilder:
         slot = ToolSlot(None, None)
         self._open_mcp_call(slot, server_label, name, approval_request_id)
         assert slot.item is not None
-        slot.item["arguments"] = arguments
-        self.emit(
-            {
-                "type": "response.mcp_call_arguments.delta",
-                "item_id": slot.item["id"],
-                "output_index": slot.index,
-                "delta": arguments,
-            }
-        )
+        self._input_delta(slot.item, slot.index, arguments)
         self._end_arguments(slot)
         return slot
 
@@ -626,30 +507,22 @@ class ResponseBuilder:
         item = slot.item
         if item is None or item.get("status") not in ("in_progress", "interpreting", "searching"):
             return
-        item_id, index = item["id"], slot.index
+        index = slot.index
         kind = item["type"]
         if kind == "mcp_call":
             item["output"] = output
             item["error"] = dict(error) if error is not None else None
             item["status"] = status
             ending = "completed" if status == "completed" else "failed"
-            self.emit({"type": f"response.mcp_call.{ending}", "item_id": item_id, "output_index": index})
+            self._item_event(f"response.mcp_call.{ending}", item, index)
         elif kind == "web_search_call":
             item["status"] = status
-            self.emit(
-                {"type": "response.web_search_call.completed", "item_id": item_id, "output_index": index}
-            )
+            self._item_event("response.web_search_call.completed", item, index)
         elif kind == "code_interpreter_call":
             text = output if output is not None else error_text(error)
             item["outputs"] = [{"type": "logs", "logs": text}] if text else []
             item["status"] = status
-            self.emit(
-                {
-                    "type": "response.code_interpreter_call.completed",
-                    "item_id": item_id,
-                    "output_index": index,
-                }
-            )
+            self._item_event("response.code_interpreter_call.completed", item, index)
         self.emit({"type": "response.output_item.done", "output_index": index, "item": item})
 
     # -- terminal ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from ...types.limits import (
     MAX_INSTRUCTIONS_CHARS,
@@ -15,21 +15,18 @@ from ...types.limits import (
     Metadata,
     at_most,
 )
+from ...types.request_base import OpenModel
 from ...types.tool_names import ResponsesTool
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class ReasoningConfig(_Open):
+class ReasoningConfig(OpenModel):
     effort: str | None = None
     summary: str | None = None
     #: Extension: a cap on analysis tokens, after which the model moves to its final answer.
     max_tokens: int | None = Field(default=None, ge=1)
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(OpenModel):
     model: str
     input: Annotated[str | list[dict[str, Any]], at_most(MAX_MESSAGES, "input items")] = ""
     instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
@@ -62,16 +59,16 @@ class ResponsesRequest(_Open):
         return value if isinstance(value, str) else None
 
 
-class ConversationCreate(_Open):
+class ConversationCreate(OpenModel):
     items: Annotated[list[dict[str, Any]] | None, at_most(MAX_ITEMS_PER_CONVERSATION_CALL, "items")] = None
     metadata: Metadata = None
 
 
-class ConversationUpdate(_Open):
+class ConversationUpdate(OpenModel):
     metadata: Metadata
 
 
-class ConversationItemsCreate(_Open):
+class ConversationItemsCreate(OpenModel):
     items: Annotated[list[dict[str, Any]], at_most(MAX_ITEMS_PER_CONVERSATION_CALL, "items")] = Field(
         min_length=1
     )

@@ -78,26 +78,20 @@ class BackgroundRunner:
         self._feeds: dict[str, LiveEvents] = {}
 
     def start(
-        self,
-        response_id: str,
-        work: Coroutine[Any, Any, None],
-        feed: LiveEvents | None = None,
-        store: Store | None = None,
+        self, response_id: str, work: Coroutine[Any, Any, None], feed: LiveEvents, store: Store
     ) -> None:
-        """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends.
-        With `store`, a watcher cancels the task once the stored response reads `cancelled` (a cancel
+        """Run `work` as the response's task; `feed` (its live events) is reachable until the task ends,
+        and a watcher cancels the task once the response stored in `store` reads `cancelled` (a cancel
         received by another process or replica); it ends with the task."""
         task = self._supervisor.spawn(work, name=f"background-{response_id}")
         self._tasks[response_id] = task
         self._hold_admission(response_id, task)
-        if feed is not None:
-            self._feeds[response_id] = feed
-        if store is not None:
-            watcher = self._supervisor.spawn(
-                watch_for_cancel(store, response_id, task, self.poll_interval),
-                name=f"background-watch-{response_id}",
-            )
-            task.add_done_callback(lambda _t: watcher.cancel())
+        self._feeds[response_id] = feed
+        watcher = self._supervisor.spawn(
+            watch_for_cancel(store, response_id, task, self.poll_interval),
+            name=f"background-watch-{response_id}",
+        )
+        task.add_done_callback(lambda _t: watcher.cancel())
         task.add_done_callback(lambda _t: self._forget(response_id))
 
     def _hold_admission(self, response_id: str, task: asyncio.Task[None]) -> None:
