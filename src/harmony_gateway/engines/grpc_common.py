@@ -8,8 +8,9 @@ normalisation stay in each engine module, so `pipeline/` sees one shape.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -96,6 +97,8 @@ class GrpcEngineClient:
 
     engine: ClassVar[str]
     capabilities: ClassVar[EngineCapabilities]
+    #: The wire's stream chunks count the tokens of that chunk (vLLM), not all so far (SGLang).
+    _delta_counts: ClassVar[bool] = False
     # Set once per subclass; not declared ClassVar, which would make mypy bind the stub class as a method
     # and reject the plain `_pb = module` assignments of the subclasses.
     _pb: ModuleType
@@ -149,30 +152,37 @@ class GrpcEngineClient:
         """The wire's `GenerateRequest` message for `request`."""
         raise NotImplementedError
 
+    async def _generate_message(self, request: GenerateRequest) -> Any:
+        """The message `generate` sends: `to_proto(request)`, on wires that need nothing else to know."""
+        return self.to_proto(request)
+
     async def _scheduler_stream(
         self, request: GenerateRequest, matched_stop: Callable[[Any], tuple[int | None, str | None]]
     ) -> AsyncGenerator[EngineChunk, None]:
-        """`Generate` on the scheduler-style wires (SGLang, TokenSpeed, MLX: one `chunk` / `complete`
-        oneof with the same field names), normalised: chunks carry new token ids; in stream mode the
-        final `GenerateComplete` repeats the last chunk's ids (smg_grpc_servicer), so only its finish
-        reason, counts and matched stop count. The request is checked when the stream is first read;
-        the call is cancelled on every exit."""
+        """`Generate` on the scheduler-style wires (SGLang, TokenSpeed, vLLM, MLX: one `chunk` /
+        `complete` oneof with the same field names), normalised: chunks carry new token ids; in stream
+        mode the final `GenerateComplete` repeats the last chunk's ids (smg_grpc_servicer), so only its
+        finish reason, counts and matched stop count. Where chunks count only their own tokens
+        (`_delta_counts`), the counts become running totals per choice. The request is checked when the
+        stream is first read."""
         self.check(request)
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
         stream = request.stream
         want_logprobs = request.return_logprob
-        try:
+        delta_counts = self._delta_counts
+        generated: dict[int, int] = {}  # running completion count per choice, when chunks carry deltas
+        with self._generate_call(await self._generate_message(request)) as call:
             async for reply in call:
                 which = reply.WhichOneof("response")
                 if which == "chunk":
                     c = reply.chunk
+                    completion = c.completion_tokens
+                    if delta_counts:
+                        completion = generated[c.index] = generated.get(c.index, 0) + completion
                     yield EngineChunk(
                         c.index,
                         list(c.token_ids),
                         c.prompt_tokens,
-                        c.completion_tokens,
+                        completion,
                         c.cached_tokens,
                         token_logprobs(c.output_logprobs) if want_logprobs else None,
                     )
@@ -183,7 +193,7 @@ class GrpcEngineClient:
                         c.index,
                         [] if stream else list(c.output_ids),
                         c.prompt_tokens,
-                        c.completion_tokens,
+                        max(generated.get(c.index, 0), c.completion_tokens),
                         c.cached_tokens,
                         None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
                         True,
@@ -191,6 +201,14 @@ class GrpcEngineClient:
                         stop_token,
                         stop_str,
                     )
+
+    @contextlib.contextmanager
+    def _generate_call(self, message: Any) -> Iterator[Any]:
+        """`Generate` with `message`, a stream of replies: a failed call surfaces as `errors.Upstream*`,
+        and the call is cancelled on every exit, so an abandoned stream does not keep the engine busy."""
+        call = self._stub.Generate(message, timeout=self._request_timeout, metadata=call_metadata())
+        try:
+            yield call
         except grpc.aio.AioRpcError as exc:
             raise translate_rpc_error(exc, self.url) from exc
         finally:

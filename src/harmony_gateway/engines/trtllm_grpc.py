@@ -21,14 +21,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import grpc
 from smg_grpc_proto.generated import trtllm_service_pb2 as pb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
-from .grpc_common import GrpcEngineClient, call_metadata
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import GrpcEngineClient, oneof_matched_stop
+from .grpc_errors import map_grpc_errors
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False)
 
@@ -112,13 +111,10 @@ class TrtllmGrpcClient(GrpcEngineClient):
         self.check(request)
         if request.bootstrap is not None:
             raise UpstreamError(f"the trtllm engine at {self.url} cannot serve prefill/decode pairs")
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
         stream = request.stream
         want_logprobs = request.return_logprob
         streamed: set[int] = set()
-        try:
+        with self._generate_call(self.to_proto(request)) as call:
             async for reply in call:
                 which = reply.WhichOneof("response")
                 if which == "chunk":
@@ -134,7 +130,7 @@ class TrtllmGrpcClient(GrpcEngineClient):
                     )
                 elif which == "complete":
                     c = reply.complete
-                    matched = c.WhichOneof("matched_stop")
+                    stop_token, stop_str = oneof_matched_stop(c)
                     take_ids = not stream or c.sequence_index not in streamed
                     yield EngineChunk(
                         c.sequence_index,
@@ -145,14 +141,9 @@ class TrtllmGrpcClient(GrpcEngineClient):
                         trtllm_logprobs(c.logprobs) if take_ids and want_logprobs else None,
                         True,
                         c.finish_reason or "stop",
-                        c.matched_token_id if matched == "matched_token_id" else None,
-                        c.matched_stop_str if matched == "matched_stop_str" else None,
+                        stop_token,
+                        stop_str,
                     )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
 
 
 def _guide(
