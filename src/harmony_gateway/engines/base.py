@@ -207,8 +207,10 @@ class EngineCapabilities:
             )
 
 
+#: What every engine protocol can do: one choice, stopping on token ids, unconstrained.
+BASIC_CAPABILITIES = EngineCapabilities(stop_strings=False, constraints=False, n=False)
 #: What an `--engine auto` client reports before it knows the protocol: nothing beyond the basics.
-UNKNOWN_CAPABILITIES = EngineCapabilities(stop_strings=False, constraints=False, n=False)
+UNKNOWN_CAPABILITIES = BASIC_CAPABILITIES
 
 
 class EngineClient(Protocol):

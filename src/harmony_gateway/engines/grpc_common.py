@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -65,6 +65,30 @@ def token_logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
             top = list(zip(tops[i].token_ids, tops[i].values, strict=False))
         out.append(TokenLogprob(tid, value, top))
     return out[start:]
+
+
+#: `SamplingOptions` fields every engine wire takes under the same name and meaning (TRT-LLM's
+#: `SamplingConfig` too). Not `top_k`: -1 disables it here, 0 on the wires where it is unsigned.
+SHARED_SAMPLING = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+#: The stop and choice fields the full scheduler wires (SGLang, TokenSpeed, vLLM) take under our names too.
+SHARED_STOPS = ("stop", "stop_token_ids", "skip_special_tokens", "ignore_eos", "n")
+
+
+def sampling_fields(sampling: SamplingOptions, names: Iterable[str]) -> dict[str, Any]:
+    """`sampling`'s values of the fields `names`, as keyword arguments of a wire's sampling message."""
+    return {name: getattr(sampling, name) for name in names}
+
+
+def int32_seed(seed: int) -> int:
+    """`seed` on a wire that carries int32 (OpenAI allows 64-bit seeds): folded, deterministically."""
+    return ((seed + 2**31) % 2**32) - 2**31
 
 
 def set_constraint(params: Any, sampling: SamplingOptions) -> None:
@@ -234,13 +258,18 @@ class GrpcEngineClient:
             max_context_length=info.max_context_length,
             eos_token_ids=list(info.eos_token_ids),
             default_sampling=self._default_sampling(info),
-            tokenizer_path=info.tokenizer_path,
+            tokenizer_path=self._tokenizer_path(info),
         )
 
     @staticmethod
     def _default_sampling(info: Any) -> dict[str, Any]:
         """The sampling defaults a `GetModelInfoResponse` advertises."""
         return ModelInfo.parse_sampling_json(info.default_sampling_params_json)
+
+    @staticmethod
+    def _tokenizer_path(info: Any) -> str:
+        """Where a `GetModelInfoResponse` says the engine's tokenizer files are."""
+        return str(info.tokenizer_path)
 
     async def health(self, timeout: float) -> bool:
         with map_grpc_errors(self.url):

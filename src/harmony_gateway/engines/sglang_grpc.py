@@ -18,7 +18,14 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient, oneof_matched_stop, set_constraint
+from .grpc_common import (
+    SHARED_SAMPLING,
+    SHARED_STOPS,
+    GrpcEngineClient,
+    oneof_matched_stop,
+    sampling_fields,
+    set_constraint,
+)
 from .grpc_errors import map_grpc_errors
 
 log = logging.getLogger(__name__)
@@ -74,19 +81,9 @@ class SglangGrpcClient(GrpcEngineClient):
         """The wire's `GenerateRequest` (`pb.GenerateRequest` here, TokenSpeed's in its client)."""
         s = request.sampling
         params = self._pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
+            **sampling_fields(s, SHARED_SAMPLING + SHARED_STOPS),
             top_k=s.top_k,
-            min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty,
-            stop=s.stop,
-            stop_token_ids=s.stop_token_ids,
-            skip_special_tokens=s.skip_special_tokens,
-            n=s.n,
             min_new_tokens=s.min_new_tokens,
-            ignore_eos=s.ignore_eos,
             no_stop_trim=s.no_stop_trim,
         )
         if s.max_new_tokens is not None:

@@ -26,7 +26,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
-from .grpc_common import GrpcEngineClient, oneof_matched_stop
+from .grpc_common import SHARED_SAMPLING, GrpcEngineClient, oneof_matched_stop, sampling_fields
 from .grpc_errors import map_grpc_errors
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False)
@@ -72,16 +72,11 @@ class TrtllmGrpcClient(GrpcEngineClient):
     def to_proto(self, request: GenerateRequest) -> pb.GenerateRequest:
         s = request.sampling
         config = pb.SamplingConfig(
+            **sampling_fields(s, SHARED_SAMPLING),
             beam_width=1,
             num_return_sequences=s.n,
             top_k=max(s.top_k, 0),  # 0 disables top-k on this wire
-            top_p=s.top_p,
-            temperature=s.temperature,
             min_tokens=s.min_new_tokens,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            min_p=s.min_p,
         )
         if s.seed is not None:
             config.seed = s.seed % 2**64

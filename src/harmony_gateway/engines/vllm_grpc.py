@@ -28,7 +28,15 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from .base import BootstrapInfo, EngineCapabilities, EngineChunk, GenerateRequest
-from .grpc_common import GrpcEngineClient, oneof_matched_stop, set_constraint
+from .grpc_common import (
+    SHARED_SAMPLING,
+    SHARED_STOPS,
+    GrpcEngineClient,
+    int32_seed,
+    oneof_matched_stop,
+    sampling_fields,
+    set_constraint,
+)
 from .grpc_errors import map_grpc_errors
 
 #: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
@@ -88,26 +96,15 @@ class VllmGrpcClient(GrpcEngineClient):
     def to_proto(self, request: GenerateRequest, kv_role: str = "") -> pb.GenerateRequest:
         s = request.sampling
         params = pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
+            **sampling_fields(s, SHARED_SAMPLING + SHARED_STOPS),
             top_k=max(s.top_k, 0),  # uint32 on this wire: 0 disables top-k
-            min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty,
             min_tokens=s.min_new_tokens,
-            stop=s.stop,
-            stop_token_ids=s.stop_token_ids,
-            skip_special_tokens=s.skip_special_tokens,
-            ignore_eos=s.ignore_eos,
-            n=s.n,
             include_stop_str_in_output=s.no_stop_trim,
         )
         if s.max_new_tokens is not None:
             params.max_tokens = s.max_new_tokens
         if s.seed is not None:
-            # The wire carries int32; fold wider client seeds (OpenAI allows 64-bit) deterministically.
-            params.seed = ((s.seed + 2**31) % 2**32) - 2**31
+            params.seed = int32_seed(s.seed)
         if request.return_logprob:
             params.logprobs = request.top_logprobs_num
         set_constraint(params, s)
