@@ -241,13 +241,7 @@ class HttpUpstreamClient:
         usage = data.get("usage") or {}
         out: list[EngineChunk] = []
         for choice in data.get("choices") or []:
-            if api == "chat":
-                message = choice.get("message") or {}
-                text = message.get("content") or ""
-                delta = _structured(message, choice, with_index=True)
-            else:
-                text = choice.get("text") or ""
-                delta = None
+            text, delta = _choice_output(choice, api, stream=False)
             chunk = EngineChunk(index=int(choice.get("index", 0)), text=text, upstream_delta=delta)
             _finish(chunk, choice.get("finish_reason"), usage, first=not out)
             out.append(chunk)
@@ -286,14 +280,10 @@ class HttpUpstreamClient:
                     usage = event["usage"]
                 for choice in event.get("choices") or ():
                     index = int(choice.get("index", 0))
-                    state = choices.setdefault(index, _Choice())
-                    if api == "chat":
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or ""
-                        structured = _structured(delta, choice, with_index=False)
-                    else:
-                        text = choice.get("text") or ""
-                        structured = None
+                    state = choices.get(index)
+                    if state is None:
+                        state = choices[index] = _Choice()
+                    text, structured = _choice_output(choice, api, stream=True)
                     if structured:
                         parts = pending.pop(index, None)
                         if parts:  # keep the choice's order: earlier text first
@@ -317,21 +307,25 @@ class HttpUpstreamClient:
             yield chunk
 
 
-def _structured(source: dict[str, Any], choice: dict[str, Any], *, with_index: bool) -> dict[str, Any] | None:
-    """Reasoning, tool calls and logprobs the upstream produced itself, or None."""
-    out: dict[str, Any] = {}
-    reasoning = source.get("reasoning_content") or source.get("reasoning")
+def _choice_output(choice: dict[str, Any], api: str, *, stream: bool) -> tuple[str, dict[str, Any] | None]:
+    """A choice's output text, and what the upstream parsed itself (reasoning, tool calls, logprobs) or
+    None: from a chat choice's `message` (its `delta` in a stream), or a completions choice's `text`."""
+    if api != "chat":
+        return choice.get("text") or "", None
+    message = choice.get("delta" if stream else "message") or {}
+    parsed: dict[str, Any] = {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
-        out["reasoning"] = reasoning
-    calls = source.get("tool_calls")
+        parsed["reasoning"] = reasoning
+    calls = message.get("tool_calls")
     if calls:
-        if with_index:  # a non-stream message: give each call the index a stream would
+        if not stream:  # a whole message: give each call the index a stream would
             calls = [{"index": i, **call} for i, call in enumerate(calls)]
-        out["tool_calls"] = calls
+        parsed["tool_calls"] = calls
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict) and logprobs.get("content"):
-        out["logprobs"] = logprobs["content"]
-    return out or None
+        parsed["logprobs"] = logprobs["content"]
+    return message.get("content") or "", parsed or None
 
 
 def _finish(chunk: EngineChunk, finish_reason: str | None, usage: dict[str, Any], *, first: bool) -> None:
