@@ -28,7 +28,7 @@ from .base import (
     TokenLogprob,
     redact_url,
 )
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -232,9 +232,8 @@ class GrpcEngineClient:
         and the call is cancelled on every exit, so an abandoned stream does not keep the engine busy."""
         call = self._stub.Generate(message, timeout=self._request_timeout, metadata=call_metadata())
         try:
-            yield call
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
+            with map_grpc_errors(self.url):
+                yield call
         finally:
             if not call.done():
                 call.cancel()

@@ -24,7 +24,7 @@ abort the request, so `abort()` does nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -38,7 +38,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url, translating_errors
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -74,22 +74,18 @@ def status_error(url: str, response: httpx.Response, body: bytes) -> UpstreamErr
     return UpstreamError(f"upstream at {url} failed with HTTP {status}: {message}")
 
 
-@contextlib.contextmanager
-def map_httpx_errors(url: str) -> Iterator[None]:
-    """Translate httpx transport errors into Upstream* errors (httpx's own `map_httpcore_exceptions`)."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream at {url} did not answer in time ({type(exc).__name__})") from exc
-    except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-        error: UpstreamError
-        if isinstance(exc, httpx.ConnectError):
-            error = UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}")
-        else:
-            error = UpstreamError(f"upstream at {url} broke the connection: {exc}")
-        raise error from exc
-    except httpx.TransportError as exc:
-        raise UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}") from exc
+def translate_httpx_error(exc: httpx.TransportError, url: str) -> UpstreamError:
+    """The gateway error for an httpx transport failure (httpx's own `map_httpcore_exceptions`)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"upstream at {url} did not answer in time ({type(exc).__name__})")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return UpstreamError(f"upstream at {url} broke the connection: {exc}")
+    return UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}")  # refused, DNS, reset...
+
+
+def map_httpx_errors(url: str) -> contextlib.AbstractContextManager[None]:
+    """A context in which an httpx transport error raises its `translate_httpx_error` instead."""
+    return translating_errors(httpx.TransportError, translate_httpx_error, url)
 
 
 class _Choice:
@@ -347,4 +343,4 @@ def _finish(chunk: EngineChunk, finish_reason: str | None, usage: dict[str, Any]
             chunk.upstream_delta = {**(chunk.upstream_delta or {}), "reasoning_tokens": int(reasoning)}
 
 
-__all__ = ["APIS", "HttpUpstreamClient", "map_httpx_errors", "status_error"]
+__all__ = ["APIS", "HttpUpstreamClient", "map_httpx_errors", "status_error", "translate_httpx_error"]
