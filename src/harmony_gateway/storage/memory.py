@@ -19,27 +19,22 @@ import orjson
 from .. import errors
 from ..types.limits import ConversationLimits, ConversationSize
 from .base import (
-    RESPONSE_STATUSES,
     ConversationItem,
+    NewItems,
     Order,
     Page,
     RecentChain,
     RecentItems,
+    Store,
     StoredConversation,
     StoredResponse,
     StoredWorker,
     WorkerHealth,
-    check_budget,
-    check_max_depth,
     check_new_item_ids,
-    check_page_args,
-    item_ids,
     make_page,
     newest_within,
-    paginate,
     previous_response_not_found,
     replay_size,
-    sequence_numbers,
     size_of,
     unknown_cursor,
     within_budget,
@@ -91,7 +86,7 @@ class _Conversation:
         return ConversationSize(len(self.items), sum(self.sizes.values()))
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """A `Store` held in dicts; see the module docstring for bounds.
 
     No method awaits while it mutates state, so every call is atomic with respect to other tasks
@@ -131,10 +126,7 @@ class MemoryStore:
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def put_response(self, response: StoredResponse) -> None:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
+    async def _put_response(self, response: StoredResponse) -> None:
         size = replay_size(response)
         self._responses[response.id] = _copy_response(response)
         self._replay_sizes[response.id] = size
@@ -143,10 +135,7 @@ class MemoryStore:
             self._events.pop(evicted, None)
             self._replay_sizes.pop(evicted, None)
 
-    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
+    async def _update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
         stored = self._visible(response.id, response.owner)
         if stored is None or stored.status not in from_statuses:
             return False
@@ -176,27 +165,13 @@ class MemoryStore:
         self._replay_sizes.pop(response_id, None)
         return True
 
-    async def list_input_items(
-        self,
-        response_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
+    async def _input_items(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
         stored = self._visible(response_id, owner)
-        if stored is None:
-            return None
-        page = paginate(stored.input_items, after=after, limit=limit, order=order)
-        page.data = _copy(page.data)
-        return page
+        return _copy(stored.input_items) if stored is not None else None
 
-    async def load_recent_chain(
-        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    async def _load_recent_chain(
+        self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
     ) -> RecentChain:
-        check_max_depth(max_depth)
-        check_budget(max_bytes)
         if self._visible(response_id, owner) is None:
             raise previous_response_not_found(response_id)
         walked: list[StoredResponse] = []
@@ -226,8 +201,9 @@ class MemoryStore:
 
     # -- background event log -------------------------------------------------------------------
 
-    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
-        numbers = sequence_numbers(events)
+    async def _append_events(
+        self, response_id: str, numbers: list[int], events: Sequence[dict[str, Any]]
+    ) -> None:
         log = self._events.setdefault(response_id, {})
         for number, event in zip(numbers, events, strict=True):
             log.setdefault(number, _copy(event))
@@ -242,27 +218,21 @@ class MemoryStore:
         conversation = self._conversations.get(conversation_id)
         return conversation if conversation is not None and conversation.record.owner == owner else None
 
-    async def create_conversation(
-        self,
-        conversation: StoredConversation,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
+    async def _create_conversation(
+        self, conversation: StoredConversation, new: NewItems, limits: ConversationLimits | None
     ) -> list[ConversationItem]:
-        ids = item_ids(items)
-        check_new_item_ids(ids, set())
         if conversation.id in self._conversations:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
-        copies, sizes = _copy_items(items)
+        copies, sizes = _copy_items(new.items)
         if limits is not None:
             limits.check(ConversationSize(), size_of(sizes))
         entry = _Conversation(record=record)
         self._conversations[conversation.id] = entry
         while len(self._conversations) > self.max_conversations:
             self._conversations.popitem(last=False)
-        return self._append(entry, ids, copies, sizes)
+        return self._append(entry, new.ids, copies, sizes)
 
     def _append(
         self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]], sizes: list[int]
@@ -295,23 +265,17 @@ class MemoryStore:
         del self._conversations[conversation_id]
         return True
 
-    async def add_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
+    async def _add_conversation_items(
+        self, conversation_id: str, owner: str, new: NewItems, limits: ConversationLimits | None
     ) -> list[ConversationItem] | None:
-        ids = item_ids(items)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        check_new_item_ids(ids, set(entry.sizes))
-        copies, sizes = _copy_items(items)
+        check_new_item_ids(new.ids, set(entry.sizes))
+        copies, sizes = _copy_items(new.items)
         if limits is not None:
             limits.check(entry.size(), size_of(sizes))
-        return self._append(entry, ids, copies, sizes)
+        return self._append(entry, new.ids, copies, sizes)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         entry = self._conversation(conversation_id, owner)
@@ -321,10 +285,9 @@ class MemoryStore:
         entry = self._conversation(conversation_id, owner)
         return entry.size() if entry is not None else None
 
-    async def recent_conversation_items(
-        self, conversation_id: str, owner: str, *, max_bytes: int | None
+    async def _recent_conversation_items(
+        self, conversation_id: str, owner: str, max_bytes: int | None
     ) -> RecentItems | None:
-        check_budget(max_bytes)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -332,16 +295,9 @@ class MemoryStore:
         tail = entry.items[len(entry.items) - kept :]
         return RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
 
-    async def list_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
+    async def _list_conversation_items(
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: Order
     ) -> Page | None:
-        check_page_args(limit, order)
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
