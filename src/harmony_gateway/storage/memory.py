@@ -16,30 +16,10 @@ from typing import Any
 
 import orjson
 
+import harmony_gateway.storage.base as base
+
 from .. import errors
 from ..types.limits import ConversationLimits, ConversationSize
-from .base import (
-    ConversationItem,
-    NewItems,
-    Order,
-    Page,
-    RecentChain,
-    RecentItems,
-    Store,
-    StoredConversation,
-    StoredResponse,
-    StoredWorker,
-    WorkerHealth,
-    check_new_item_ids,
-    make_page,
-    newest_within,
-    previous_response_not_found,
-    replay_size,
-    size_of,
-    unknown_cursor,
-    within_budget,
-    worker_health_key,
-)
 
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_CONVERSATIONS = 10_000
@@ -63,7 +43,7 @@ def _copy_items(items: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return copies, sizes
 
 
-def _copy_response(response: StoredResponse) -> StoredResponse:
+def _copy_response(response: base.StoredResponse) -> base.StoredResponse:
     return replace(
         response,
         response=_copy(response.response),
@@ -76,8 +56,8 @@ def _copy_response(response: StoredResponse) -> StoredResponse:
 
 @dataclass(slots=True)
 class _Conversation:
-    record: StoredConversation
-    items: list[ConversationItem] = field(default_factory=list)
+    record: base.StoredConversation
+    items: list[base.ConversationItem] = field(default_factory=list)
     #: Each item's stored size, by item id.
     sizes: dict[str, int] = field(default_factory=dict)
     next_position: int = 0
@@ -86,7 +66,7 @@ class _Conversation:
         return ConversationSize(len(self.items), sum(self.sizes.values()))
 
 
-class MemoryStore(Store):
+class MemoryStore(base.Store):
     """A `Store` held in dicts; see the module docstring for bounds.
 
     No method awaits while it mutates state, so every call is atomic with respect to other tasks
@@ -106,7 +86,7 @@ class MemoryStore(Store):
         self.max_responses = max_responses
         self.max_conversations = max_conversations
         # Insertion order is creation order, so the first entry is the one to evict.
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._responses: OrderedDict[str, base.StoredResponse] = OrderedDict()
         self._events: dict[str, dict[int, dict[str, Any]]] = {}
         #: Each stored response's `replay_size`, by id.
         self._replay_sizes: dict[str, int] = {}
@@ -114,8 +94,8 @@ class MemoryStore(Store):
         #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
         self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
         self.max_values = DEFAULT_MAX_VALUES
-        self._workers: dict[str, StoredWorker] = {}
-        self._worker_health: dict[str, WorkerHealth] = {}
+        self._workers: dict[str, base.StoredWorker] = {}
+        self._worker_health: dict[str, base.WorkerHealth] = {}
         self._leases: dict[str, tuple[str, float]] = {}
 
     async def start(self) -> None:
@@ -126,8 +106,8 @@ class MemoryStore(Store):
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def _put_response(self, response: StoredResponse) -> None:
-        size = replay_size(response)
+    async def _put_response(self, response: base.StoredResponse) -> None:
+        size = base.replay_size(response)
         self._responses[response.id] = _copy_response(response)
         self._replay_sizes[response.id] = size
         while len(self._responses) > self.max_responses:
@@ -135,11 +115,13 @@ class MemoryStore(Store):
             self._events.pop(evicted, None)
             self._replay_sizes.pop(evicted, None)
 
-    async def _update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
+    async def _update_response_if(
+        self, response: base.StoredResponse, from_statuses: Collection[str]
+    ) -> bool:
         stored = self._visible(response.id, response.owner)
         if stored is None or stored.status not in from_statuses:
             return False
-        size = replay_size(response)
+        size = base.replay_size(response)
         # Replaced in place: the response keeps its position in the eviction order.
         self._responses[response.id] = _copy_response(response)
         self._replay_sizes[response.id] = size
@@ -149,11 +131,11 @@ class MemoryStore(Store):
         stored = self._responses.get(response_id)
         return stored.status if stored is not None else None
 
-    def _visible(self, response_id: str, owner: str) -> StoredResponse | None:
+    def _visible(self, response_id: str, owner: str) -> base.StoredResponse | None:
         stored = self._responses.get(response_id)
         return stored if stored is not None and stored.owner == owner else None
 
-    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+    async def get_response(self, response_id: str, owner: str) -> base.StoredResponse | None:
         stored = self._visible(response_id, owner)
         return _copy_response(stored) if stored is not None else None
 
@@ -171,10 +153,10 @@ class MemoryStore(Store):
 
     async def _load_recent_chain(
         self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
-    ) -> RecentChain:
+    ) -> base.RecentChain:
         if self._visible(response_id, owner) is None:
-            raise previous_response_not_found(response_id)
-        walked: list[StoredResponse] = []
+            raise base.previous_response_not_found(response_id)
+        walked: list[base.StoredResponse] = []
         seen: set[str] = set()
         current: str | None = response_id
         while current is not None and current not in seen and len(walked) < max_depth:
@@ -184,13 +166,13 @@ class MemoryStore(Store):
             seen.add(current)
             walked.append(stored)
             current = stored.previous_response_id
-        kept = within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
+        kept = base.within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
         chain = [_copy_response(r) for r in reversed(walked[:kept])]
-        return RecentChain(chain, omitted=kept < len(walked))
+        return base.RecentChain(chain, omitted=kept < len(walked))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
-    ) -> list[StoredResponse]:
+    ) -> list[base.StoredResponse]:
         found = [
             _copy_response(r)
             for r in self._responses.values()
@@ -219,15 +201,15 @@ class MemoryStore(Store):
         return conversation if conversation is not None and conversation.record.owner == owner else None
 
     async def _create_conversation(
-        self, conversation: StoredConversation, new: NewItems, limits: ConversationLimits | None
-    ) -> list[ConversationItem]:
+        self, conversation: base.StoredConversation, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem]:
         if conversation.id in self._conversations:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
         copies, sizes = _copy_items(new.items)
         if limits is not None:
-            limits.check(ConversationSize(), size_of(sizes))
+            limits.check(ConversationSize(), base.size_of(sizes))
         entry = _Conversation(record=record)
         self._conversations[conversation.id] = entry
         while len(self._conversations) > self.max_conversations:
@@ -236,23 +218,23 @@ class MemoryStore(Store):
 
     def _append(
         self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]], sizes: list[int]
-    ) -> list[ConversationItem]:
+    ) -> list[base.ConversationItem]:
         now = int(time.time())
         added = []
         for item_id, item, size in zip(ids, copies, sizes, strict=True):
-            added.append(ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
+            added.append(base.ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
             entry.sizes[item_id] = size
             entry.next_position += 1
         entry.items.extend(added)
         return [replace(a, item=_copy(a.item)) for a in added]
 
-    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+    async def get_conversation(self, conversation_id: str, owner: str) -> base.StoredConversation | None:
         entry = self._conversation(conversation_id, owner)
         return replace(entry.record, metadata=_copy(entry.record.metadata)) if entry else None
 
     async def update_conversation_metadata(
         self, conversation_id: str, owner: str, metadata: dict[str, Any]
-    ) -> StoredConversation | None:
+    ) -> base.StoredConversation | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -266,15 +248,15 @@ class MemoryStore(Store):
         return True
 
     async def _add_conversation_items(
-        self, conversation_id: str, owner: str, new: NewItems, limits: ConversationLimits | None
-    ) -> list[ConversationItem] | None:
+        self, conversation_id: str, owner: str, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem] | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        check_new_item_ids(new.ids, set(entry.sizes))
+        base.check_new_item_ids(new.ids, set(entry.sizes))
         copies, sizes = _copy_items(new.items)
         if limits is not None:
-            limits.check(entry.size(), size_of(sizes))
+            limits.check(entry.size(), base.size_of(sizes))
         return self._append(entry, new.ids, copies, sizes)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
@@ -287,17 +269,17 @@ class MemoryStore(Store):
 
     async def _recent_conversation_items(
         self, conversation_id: str, owner: str, max_bytes: int | None
-    ) -> RecentItems | None:
+    ) -> base.RecentItems | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        kept = newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
+        kept = base.newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
         tail = entry.items[len(entry.items) - kept :]
-        return RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
+        return base.RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
 
     async def _list_conversation_items(
-        self, conversation_id: str, owner: str, after: str | None, limit: int, order: Order
-    ) -> Page | None:
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: base.Order
+    ) -> base.Page | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -309,12 +291,12 @@ class MemoryStore(Store):
                     start = index + 1
                     break
             else:
-                raise unknown_cursor(after)
-        return make_page([_copy(i.item) for i in ordered[start : start + limit + 1]], limit)
+                raise base.unknown_cursor(after)
+        return base.make_page([_copy(i.item) for i in ordered[start : start + limit + 1]], limit)
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
-    ) -> ConversationItem | None:
+    ) -> base.ConversationItem | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -375,7 +357,7 @@ class MemoryStore(Store):
     # -- shared worker registry -----------------------------------------------------------------
     # One process only (memory:// is refused for serve --workers N), but the contract is the same.
 
-    async def add_worker(self, worker: StoredWorker) -> None:
+    async def add_worker(self, worker: base.StoredWorker) -> None:
         for existing in self._workers.values():
             if existing.id == worker.id or (existing.url, existing.kind) == (worker.url, worker.kind):
                 raise errors.Conflict(
@@ -383,20 +365,20 @@ class MemoryStore(Store):
                 )
         self._workers[worker.id] = replace(worker)
 
-    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+    async def delete_worker(self, worker_id: str) -> base.StoredWorker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
-            self._worker_health.pop(worker_health_key(worker.kind, worker.url), None)
+            self._worker_health.pop(base.worker_health_key(worker.kind, worker.url), None)
         return worker
 
-    async def list_workers(self) -> list[StoredWorker]:
+    async def list_workers(self) -> list[base.StoredWorker]:
         return sorted((replace(w) for w in self._workers.values()), key=lambda w: (w.created_at, w.id))
 
-    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+    async def put_worker_health(self, health: Sequence[base.WorkerHealth]) -> None:
         for row in health:
             self._worker_health[row.key] = replace(row, model_info=_copy(row.model_info))
 
-    async def list_worker_health(self) -> list[WorkerHealth]:
+    async def list_worker_health(self) -> list[base.WorkerHealth]:
         return [replace(h, model_info=_copy(h.model_info)) for h in self._worker_health.values()]
 
     async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:

@@ -34,31 +34,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+import harmony_gateway.storage.base as base
+
 from .. import errors
 from ..types.limits import ConversationLimits, ConversationSize
-from .base import (
-    ConversationItem,
-    NewItems,
-    Order,
-    Page,
-    RecentChain,
-    RecentItems,
-    Store,
-    StoredConversation,
-    StoredResponse,
-    StoredWorker,
-    WorkerHealth,
-    check_new_item_ids,
-    item_sizes,
-    make_page,
-    newest_within,
-    previous_response_not_found,
-    replay_size,
-    size_of,
-    unknown_cursor,
-    within_budget,
-    worker_health_key,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +127,7 @@ schema_version = sa.Table(
     sa.Column("applied_at", sa.Double, nullable=False),
 )
 
-_RESPONSE_ROWS = _RecordRows(StoredResponse, key=["id"])
+_RESPONSE_ROWS = _RecordRows(base.StoredResponse, key=["id"])
 responses = sa.Table(
     "responses",
     metadata,
@@ -168,7 +147,7 @@ response_events = sa.Table(
     sa.Column("event", _Json, nullable=False),
 )
 
-_CONVERSATION_ROWS = _RecordRows(StoredConversation, key=["id"])
+_CONVERSATION_ROWS = _RecordRows(base.StoredConversation, key=["id"])
 conversations = sa.Table(
     "conversations",
     metadata,
@@ -179,7 +158,9 @@ conversations = sa.Table(
     sa.Index("ix_conversations_owner_id", "owner", "id"),
 )
 
-_ITEM_ROWS = _RecordRows(ConversationItem, key=["conversation_id", "position"], renamed={"id": "item_id"})
+_ITEM_ROWS = _RecordRows(
+    base.ConversationItem, key=["conversation_id", "position"], renamed={"id": "item_id"}
+)
 conversation_items = sa.Table(
     "conversation_items",
     metadata,
@@ -203,7 +184,7 @@ gateway_values = sa.Table(
 )
 
 # Also version 2: the worker registry `serve --workers N` processes share (routing/shared_registry.py).
-_WORKER_ROWS = _RecordRows(StoredWorker, key=["id"])
+_WORKER_ROWS = _RecordRows(base.StoredWorker, key=["id"])
 workers = sa.Table(
     "workers",
     metadata,
@@ -212,7 +193,7 @@ workers = sa.Table(
 )
 
 _HEALTH_ROWS = _RecordRows(
-    WorkerHealth,
+    base.WorkerHealth,
     key=["key"],
     types={"consecutive_failures": sa.Integer, "consecutive_successes": sa.Integer},
 )
@@ -402,7 +383,7 @@ def _owned_conversation(conversation_id: str, owner: str) -> sa.ColumnElement[bo
     return sa.and_(conversations.c.id == conversation_id, conversations.c.owner == owner)
 
 
-class SqlStore(Store):
+class SqlStore(base.Store):
     """A `Store` on SQLite or PostgreSQL, chosen by URL.
 
     Accepts `sqlite:///relative.db`, `sqlite:////absolute.db`, `postgresql://...` and
@@ -446,8 +427,8 @@ class SqlStore(Store):
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def _put_response(self, response: StoredResponse) -> None:
-        values = {**_RESPONSE_ROWS.values(response), "replay_size": replay_size(response)}
+    async def _put_response(self, response: base.StoredResponse) -> None:
+        values = {**_RESPONSE_ROWS.values(response), "replay_size": base.replay_size(response)}
         stmt = self._dialect.insert(responses).values(values)
         stmt = stmt.on_conflict_do_update(
             index_elements=[responses.c.id],
@@ -456,10 +437,12 @@ class SqlStore(Store):
         async with self._write() as conn:
             await conn.execute(stmt)
 
-    async def _update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
+    async def _update_response_if(
+        self, response: base.StoredResponse, from_statuses: Collection[str]
+    ) -> bool:
         if not from_statuses:
             return False
-        values = {**_RESPONSE_ROWS.values(response), "replay_size": replay_size(response)}
+        values = {**_RESPONSE_ROWS.values(response), "replay_size": base.replay_size(response)}
         del values["id"]
         stmt = (
             sa.update(responses)
@@ -480,7 +463,7 @@ class SqlStore(Store):
             status: str | None = (await conn.execute(query)).scalar()
         return status
 
-    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+    async def get_response(self, response_id: str, owner: str) -> base.StoredResponse | None:
         query = sa.select(responses).where(responses.c.id == response_id, responses.c.owner == owner)
         async with self._read() as conn:
             row = (await conn.execute(query)).first()
@@ -506,7 +489,7 @@ class SqlStore(Store):
 
     async def _load_recent_chain(
         self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
-    ) -> RecentChain:
+    ) -> base.RecentChain:
         # Walk the ids and sizes in one recursive query; the depth bound also ends a cycle.
         start = sa.select(
             responses.c.id,
@@ -534,26 +517,26 @@ class SqlStore(Store):
                 ids.append(walked_id)
                 sizes.append(int(size))
             if not ids:
-                raise previous_response_not_found(response_id)
-            kept = ids[: within_budget(sizes, max_bytes)]
+                raise base.previous_response_not_found(response_id)
+            kept = ids[: base.within_budget(sizes, max_bytes)]
             rows = await conn.execute(
                 sa.select(responses).where(responses.c.id.in_(kept), responses.c.owner == owner)
             )
             by_id = {row.id: _RESPONSE_ROWS.record(row) for row in rows}
-        chain: list[StoredResponse] = []
+        chain: list[base.StoredResponse] = []
         # A response deleted between the two queries ends the walk like a missing ancestor.
         for walked_id in kept:
             if walked_id not in by_id:
                 break
             chain.append(by_id[walked_id])
         if not chain:
-            raise previous_response_not_found(response_id)
+            raise base.previous_response_not_found(response_id)
         chain.reverse()
-        return RecentChain(chain, omitted=len(kept) < len(ids))
+        return base.RecentChain(chain, omitted=len(kept) < len(ids))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
-    ) -> list[StoredResponse]:
+    ) -> list[base.StoredResponse]:
         if not statuses:
             return []
         query = sa.select(responses).where(responses.c.status.in_(sorted(statuses)))
@@ -591,11 +574,11 @@ class SqlStore(Store):
 
     @staticmethod
     async def _insert_items(
-        conn: AsyncConnection, conversation_id: str, first_position: int, new: NewItems, sizes: list[int]
-    ) -> list[ConversationItem]:
+        conn: AsyncConnection, conversation_id: str, first_position: int, new: base.NewItems, sizes: list[int]
+    ) -> list[base.ConversationItem]:
         now = int(time.time())
         added = [
-            ConversationItem(item_id, conversation_id, first_position + offset, item, now)
+            base.ConversationItem(item_id, conversation_id, first_position + offset, item, now)
             for offset, (item_id, item) in enumerate(zip(new.ids, new.items, strict=True))
         ]
         if added:
@@ -606,11 +589,11 @@ class SqlStore(Store):
         return added
 
     async def _create_conversation(
-        self, conversation: StoredConversation, new: NewItems, limits: ConversationLimits | None
-    ) -> list[ConversationItem]:
-        sizes = item_sizes(new.items)
+        self, conversation: base.StoredConversation, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem]:
+        sizes = base.item_sizes(new.items)
         if limits is not None:
-            limits.check(ConversationSize(), size_of(sizes))
+            limits.check(ConversationSize(), base.size_of(sizes))
         try:
             async with self._write() as conn:
                 await conn.execute(
@@ -622,7 +605,7 @@ class SqlStore(Store):
         except sa.exc.IntegrityError as exc:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.") from exc
 
-    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+    async def get_conversation(self, conversation_id: str, owner: str) -> base.StoredConversation | None:
         async with self._read() as conn:
             row = (
                 await conn.execute(
@@ -633,7 +616,7 @@ class SqlStore(Store):
 
     async def update_conversation_metadata(
         self, conversation_id: str, owner: str, metadata: dict[str, Any]
-    ) -> StoredConversation | None:
+    ) -> base.StoredConversation | None:
         async with self._write() as conn:
             result = await conn.execute(
                 sa.update(conversations)
@@ -660,9 +643,9 @@ class SqlStore(Store):
         return True
 
     async def _add_conversation_items(
-        self, conversation_id: str, owner: str, new: NewItems, limits: ConversationLimits | None
-    ) -> list[ConversationItem] | None:
-        sizes = item_sizes(new.items)
+        self, conversation_id: str, owner: str, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem] | None:
+        sizes = base.item_sizes(new.items)
         async with self._write() as conn:
             # The row lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE holds the database
             # lock) makes concurrent appenders take turns on next_position.
@@ -685,10 +668,10 @@ class SqlStore(Store):
                     )
                 )
             ).scalars()
-            check_new_item_ids(new.ids, set(existing))
+            base.check_new_item_ids(new.ids, set(existing))
             if limits is not None:
                 # Under the row lock: a racing appender waits for this commit, then counts these items.
-                limits.check(await self._size(conn, conversation_id), size_of(sizes))
+                limits.check(await self._size(conn, conversation_id), base.size_of(sizes))
             added = await self._insert_items(conn, conversation_id, next_position, new, sizes)
             await conn.execute(
                 sa.update(conversations)
@@ -723,7 +706,7 @@ class SqlStore(Store):
 
     async def _recent_conversation_items(
         self, conversation_id: str, owner: str, max_bytes: int | None
-    ) -> RecentItems | None:
+    ) -> base.RecentItems | None:
         position = conversation_items.c.position
         of_conversation = conversation_items.c.conversation_id == conversation_id
         async with self._read() as conn:
@@ -738,9 +721,9 @@ class SqlStore(Store):
                     .order_by(position.desc())
                 )
             ).all()
-            kept = newest_within((row.size for row in sized), max_bytes)
+            kept = base.newest_within((row.size for row in sized), max_bytes)
             if not kept:
-                return RecentItems([], omitted=len(sized))
+                return base.RecentItems([], omitted=len(sized))
             rows = await conn.execute(
                 sa.select(conversation_items.c.item)
                 .where(of_conversation, position >= sized[kept - 1].position, position <= sized[0].position)
@@ -748,11 +731,11 @@ class SqlStore(Store):
             )
             items = list(rows.scalars())
         # An item deleted in between leaves a gap: it is simply not there, as it would not be later.
-        return RecentItems(items, omitted=len(sized) - kept)
+        return base.RecentItems(items, omitted=len(sized) - kept)
 
     async def _list_conversation_items(
-        self, conversation_id: str, owner: str, after: str | None, limit: int, order: Order
-    ) -> Page | None:
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: base.Order
+    ) -> base.Page | None:
         position = conversation_items.c.position
         query = sa.select(conversation_items.c.item).where(
             conversation_items.c.conversation_id == conversation_id
@@ -770,11 +753,11 @@ class SqlStore(Store):
                     )
                 ).scalar()
                 if cursor is None:
-                    raise unknown_cursor(after)
+                    raise base.unknown_cursor(after)
                 query = query.where(position > cursor if order == "asc" else position < cursor)
             query = query.order_by(position.asc() if order == "asc" else position.desc()).limit(limit + 1)
             rows = list((await conn.execute(query)).scalars())
-        return make_page(rows, limit)
+        return base.make_page(rows, limit)
 
     @staticmethod
     async def _conversation_visible(conn: AsyncConnection, conversation_id: str, owner: str) -> bool:
@@ -785,7 +768,7 @@ class SqlStore(Store):
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
-    ) -> ConversationItem | None:
+    ) -> base.ConversationItem | None:
         query = (
             sa.select(conversation_items)
             .join(conversations, conversations.c.id == conversation_items.c.conversation_id)
@@ -869,7 +852,7 @@ class SqlStore(Store):
 
     # -- shared worker registry -----------------------------------------------------------------
 
-    async def add_worker(self, worker: StoredWorker) -> None:
+    async def add_worker(self, worker: base.StoredWorker) -> None:
         try:
             async with self._write() as conn:
                 await conn.execute(sa.insert(workers).values(_WORKER_ROWS.values(worker)))
@@ -878,7 +861,7 @@ class SqlStore(Store):
                 f"worker {worker.url} ({worker.kind}) is already registered", param="url"
             ) from exc
 
-    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+    async def delete_worker(self, worker_id: str) -> base.StoredWorker | None:
         async with self._write() as conn:
             row = (await conn.execute(sa.select(workers).where(workers.c.id == worker_id))).first()
             if row is None:
@@ -887,17 +870,17 @@ class SqlStore(Store):
             removed = _WORKER_ROWS.record(row)
             await conn.execute(
                 sa.delete(worker_health).where(
-                    worker_health.c.key == worker_health_key(removed.kind, removed.url)
+                    worker_health.c.key == base.worker_health_key(removed.kind, removed.url)
                 )
             )
         return removed
 
-    async def list_workers(self) -> list[StoredWorker]:
+    async def list_workers(self) -> list[base.StoredWorker]:
         async with self._read() as conn:
             rows = await conn.execute(sa.select(workers).order_by(workers.c.created_at, workers.c.id))
             return [_WORKER_ROWS.record(row) for row in rows]
 
-    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+    async def put_worker_health(self, health: Sequence[base.WorkerHealth]) -> None:
         if not health:
             return
         stmt = self._dialect.insert(worker_health)
@@ -908,7 +891,7 @@ class SqlStore(Store):
         async with self._write() as conn:
             await conn.execute(stmt, [_HEALTH_ROWS.values(h) for h in health])
 
-    async def list_worker_health(self) -> list[WorkerHealth]:
+    async def list_worker_health(self) -> list[base.WorkerHealth]:
         async with self._read() as conn:
             rows = await conn.execute(sa.select(worker_health))
             return [_HEALTH_ROWS.record(row) for row in rows]
