@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypedDict, Unpack, runtime_checkable
 
 import orjson
 
@@ -25,6 +25,18 @@ from ..types.limits import (
 RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
 
 Order = Literal["asc", "desc"]
+
+
+class PageArgs(TypedDict, total=False):
+    """The keywords that pick one page of a list (`Store.list_input_items`, `list_conversation_items`).
+
+    `after` is an item id cursor: the page starts just past it in the requested order (default: the
+    first page). `limit` caps the page (default 20), `order` is by position (default "desc").
+    """
+
+    after: str | None
+    limit: int
+    order: Order
 
 
 @dataclass(slots=True)
@@ -218,22 +230,13 @@ class Store(Protocol):
         """Delete a response and its event log; False if it is not visible to `owner`."""
         ...
 
-    async def list_input_items(
-        self,
-        response_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        """One page of the response's input items; None if the response is not visible.
+    async def list_input_items(self, response_id: str, owner: str, **page: Unpack[PageArgs]) -> Page | None:
+        """One page of the response's input items (`PageArgs`); None if the response is not visible.
 
-        `after` is an item id cursor: the page starts just past it in the requested order.
         Raises errors.InvalidRequest (param `after`) for a cursor that is not one of the items,
         ValueError for `limit < 1` or an unknown order.
         """
-        check_page_args(limit, order)
+        after, limit, order = page_args(page)
         items = await self._input_items(response_id, owner)
         return None if items is None else paginate(items, after=after, limit=limit, order=order)
 
@@ -348,17 +351,10 @@ class Store(Protocol):
         return await self._recent_conversation_items(conversation_id, owner, max_bytes)
 
     async def list_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
+        self, conversation_id: str, owner: str, **page: Unpack[PageArgs]
     ) -> Page | None:
-        """One page of item dicts by position; same cursor contract as `list_input_items`."""
-        check_page_args(limit, order)
-        return await self._list_conversation_items(conversation_id, owner, after, limit, order)
+        """One page of item dicts by position (`PageArgs`); raises as `list_input_items` does."""
+        return await self._list_conversation_items(conversation_id, owner, *page_args(page))
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
@@ -525,11 +521,18 @@ def within_budget(sizes_newest_first: Sequence[int], max_bytes: int | None) -> i
     return min(len(sizes_newest_first), max(1, newest_within(sizes_newest_first, max_bytes)))
 
 
-def check_page_args(limit: int, order: str) -> None:
+def page_args(page: PageArgs) -> tuple[str | None, int, Order]:
+    """`page`'s (after, limit, order), defaults filled in. ValueError for `limit < 1` or an unknown
+    order, TypeError for a keyword that is none of them (as a plain signature would raise)."""
+    unknown = page.keys() - PageArgs.__optional_keys__
+    if unknown:
+        raise TypeError(f"unexpected page keyword {', '.join(sorted(unknown))}")
+    limit, order = page.get("limit", 20), page.get("order", "desc")
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     if order not in ("asc", "desc"):
         raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+    return page.get("after"), limit, order
 
 
 def check_max_depth(max_depth: int) -> None:
@@ -543,7 +546,6 @@ def unknown_cursor(after: str) -> errors.InvalidRequest:
 
 def paginate(items: Sequence[dict[str, Any]], *, after: str | None, limit: int, order: Order) -> Page:
     """Cut one page out of the full, ascending list of item dicts (see `Store.list_input_items`)."""
-    check_page_args(limit, order)
     ordered = list(items) if order == "asc" else list(reversed(items))
     start = 0
     if after is not None:
