@@ -1,9 +1,11 @@
-"""Plumbing the SGLang and vLLM gRPC engine clients share.
+"""Plumbing the gRPC engine clients share.
 
-`GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`) and answers `health`,
-`model_info` and `close` for either wire, whose messages for those RPCs are spelled alike;
-`token_logprobs` converts an `OutputLogProbs` message of either wire. Request building and chunk
-normalisation stay in each engine module, so `pipeline/` sees one shape.
+`GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`), answers `health`,
+`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, starts and
+cancels `Generate` (`_generate_call`), and normalises the stream of the scheduler-style wires (SGLang,
+TokenSpeed, vLLM, MLX) into `EngineChunk`s, so `pipeline/` sees one shape. `sampling_fields` copies the
+sampling fields the wires share, `token_logprobs` converts an `OutputLogProbs` message. What a wire
+spells its own way (the rest of its request, TRT-LLM's stream) stays in its engine module.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def set_constraint(params: Any, sampling: SamplingOptions) -> None:
 
 def oneof_matched_stop(complete: Any) -> tuple[int | None, str | None]:
     """The matched stop of a `GenerateComplete` whose wire spells it as the `matched_stop` oneof
-    (SGLang, TokenSpeed): (stop token id, stop string), at most one set."""
+    (SGLang, TokenSpeed, vLLM, TRT-LLM): (stop token id, stop string), at most one set."""
     which = complete.WhichOneof("matched_stop")
     return (
         complete.matched_token_id if which == "matched_token_id" else None,

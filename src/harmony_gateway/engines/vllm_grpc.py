@@ -1,7 +1,8 @@
 """Engine client for the vLLM engine gRPC service (`vllm.grpc.engine.VllmEngine`).
 
-Normalises vLLM's stream (the servicer runs the engine with `output_kind=DELTA` when streaming) into the
-same `EngineChunk`s the SGLang client yields:
+vLLM's stream (the servicer runs the engine with `output_kind=DELTA` when streaming) has SGLang's shape
+but for its counts, so it goes through the same normalisation (`GrpcEngineClient._scheduler_stream`,
+with `_delta_counts`) into the same `EngineChunk`s the SGLang client yields:
 
 | wire                                  | vLLM                                  | EngineChunk                      |
 |---------------------------------------|---------------------------------------|----------------------------------|

@@ -1,4 +1,5 @@
-"""Storage records and the `Store` protocol every backend (memory, SQLite, PostgreSQL) implements.
+"""Storage records and the `Store` protocol every backend (memory, SQLite, PostgreSQL) subclasses: it
+checks the arguments of the contract once, and a backend implements what is left.
 
 The pipeline persists stored Responses (with their input items and the replay history it needs to
 continue a `previous_response_id` chain), a per-response event log for resuming background streams,
