@@ -195,6 +195,7 @@ workers = sa.Table(
 _HEALTH_ROWS = _RecordRows(
     base.WorkerHealth,
     key=["key"],
+    # INTEGER, as version 2 created them: a probe count never needs 64 bits.
     types={"consecutive_failures": sa.Integer, "consecutive_successes": sa.Integer},
 )
 worker_health = sa.Table("worker_health", metadata, *_HEALTH_ROWS.columns())
@@ -376,7 +377,7 @@ def _dialect_for(url: str, schema: str | None) -> _SQLite | _Postgres:
     raise ValueError(f"unsupported SQL storage URL scheme {parsed.drivername!r}")
 
 
-# -- rows <-> records ----------------------------------------------------------------------------
+# -- the store -----------------------------------------------------------------------------------
 
 
 def _owned_conversation(conversation_id: str, owner: str) -> sa.ColumnElement[bool]:
