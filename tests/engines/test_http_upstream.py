@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from harmony_gateway.engines.base import GenerateRequest, SamplingOptions
-from harmony_gateway.engines.http_upstream import HttpUpstreamClient
-from harmony_gateway.errors import UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from harmony_gateway.engines.http_upstream import HttpUpstreamClient, map_httpx_errors
+from harmony_gateway.errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from tests.support.openai_upstream import FakeUpstream, running_upstream
 
 
@@ -33,6 +33,24 @@ async def test_connection_refused_is_retryable_unavailable() -> None:
     with pytest.raises(UpstreamUnavailable):
         await client.health(1.0)
     await client.close()
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected", "message"),
+    [
+        (httpx.ReadTimeout("slow"), UpstreamTimeout, "did not answer in time (ReadTimeout)"),
+        (httpx.ConnectError("refused"), UpstreamUnavailable, "is unavailable: refused"),
+        (httpx.RemoteProtocolError("peer closed"), UpstreamError, "broke the connection: peer closed"),
+        (httpx.WriteError("reset"), UpstreamUnavailable, "is unavailable: reset"),
+    ],
+)
+def test_each_transport_error_becomes_its_upstream_error(
+    failure: httpx.TransportError, expected: type[UpstreamError], message: str
+) -> None:
+    with pytest.raises(UpstreamError) as info, map_httpx_errors("http://up"):
+        raise failure
+    assert type(info.value) is expected and message in str(info.value)
+    assert info.value.__cause__ is failure
 
 
 async def test_read_timeout_is_upstream_timeout() -> None:

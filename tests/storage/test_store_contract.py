@@ -232,6 +232,8 @@ async def test_input_items_pagination(store: Store) -> None:
         await store.list_input_items(stored.id, ALICE, limit=0)
     with pytest.raises(ValueError):
         await store.list_input_items(stored.id, ALICE, order="sideways")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="limt"):
+        await store.list_input_items(stored.id, ALICE, limt=2)  # type: ignore[call-arg]
 
 
 async def test_input_items_of_a_response_without_inputs(store: Store) -> None:

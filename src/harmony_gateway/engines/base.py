@@ -7,13 +7,29 @@ translate transport failures into `errors.Upstream*` at their boundary.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, UpstreamError
+
+_Caught = TypeVar("_Caught", bound=BaseException)
+
+
+@contextlib.contextmanager
+def translating_errors(
+    caught: type[_Caught], translate: Callable[[_Caught, str], UpstreamError], url: str
+) -> Iterator[None]:
+    """Raise a `caught` error (a transport's own) from the block again as `translate(exc, url)`: each
+    engine client translates its dependency's errors into `errors.Upstream*` once, at its boundary
+    (`grpc_errors.map_grpc_errors`, `http_upstream.map_httpx_errors`)."""
+    try:
+        yield
+    except caught as exc:
+        raise translate(exc, url) from exc
 
 
 def redact_url(url: str) -> str:
@@ -207,8 +223,10 @@ class EngineCapabilities:
             )
 
 
+#: What every engine protocol can do: one choice, stopping on token ids, unconstrained.
+BASIC_CAPABILITIES = EngineCapabilities(stop_strings=False, constraints=False, n=False)
 #: What an `--engine auto` client reports before it knows the protocol: nothing beyond the basics.
-UNKNOWN_CAPABILITIES = EngineCapabilities(stop_strings=False, constraints=False, n=False)
+UNKNOWN_CAPABILITIES = BASIC_CAPABILITIES
 
 
 class EngineClient(Protocol):

@@ -1,15 +1,18 @@
-"""Plumbing the SGLang and vLLM gRPC engine clients share.
+"""Plumbing the gRPC engine clients share.
 
-`GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`) and answers `health`,
-`model_info` and `close` for either wire, whose messages for those RPCs are spelled alike;
-`token_logprobs` converts an `OutputLogProbs` message of either wire. Request building and chunk
-normalisation stay in each engine module, so `pipeline/` sees one shape.
+`GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`), answers `health`,
+`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, starts and
+cancels `Generate` (`_generate_call`), and normalises the stream of the scheduler-style wires (SGLang,
+TokenSpeed, vLLM, MLX) into `EngineChunk`s, so `pipeline/` sees one shape. `sampling_fields` copies the
+sampling fields the wires share, `token_logprobs` converts an `OutputLogProbs` message. What a wire
+spells its own way (the rest of its request, TRT-LLM's stream) stays in its engine module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -27,7 +30,7 @@ from .base import (
     TokenLogprob,
     redact_url,
 )
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_errors import map_grpc_errors
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -66,6 +69,30 @@ def token_logprobs(lp: Any, start: int = 0) -> list[TokenLogprob] | None:
     return out[start:]
 
 
+#: `SamplingOptions` fields every engine wire takes under the same name and meaning (TRT-LLM's
+#: `SamplingConfig` too). Not `top_k`: -1 disables it here, 0 on the wires where it is unsigned.
+SHARED_SAMPLING = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+#: The stop and choice fields the full scheduler wires (SGLang, TokenSpeed, vLLM) take under our names too.
+SHARED_STOPS = ("stop", "stop_token_ids", "skip_special_tokens", "ignore_eos", "n")
+
+
+def sampling_fields(sampling: SamplingOptions, names: Iterable[str]) -> dict[str, Any]:
+    """`sampling`'s values of the fields `names`, as keyword arguments of a wire's sampling message."""
+    return {name: getattr(sampling, name) for name in names}
+
+
+def int32_seed(seed: int) -> int:
+    """`seed` on a wire that carries int32 (OpenAI allows 64-bit seeds): folded, deterministically."""
+    return ((seed + 2**31) % 2**32) - 2**31
+
+
 def set_constraint(params: Any, sampling: SamplingOptions) -> None:
     """Fill the `constraint` oneof both engine protos share: at most one of json_schema, regex or
     structural_tag, in that order of precedence."""
@@ -79,7 +106,7 @@ def set_constraint(params: Any, sampling: SamplingOptions) -> None:
 
 def oneof_matched_stop(complete: Any) -> tuple[int | None, str | None]:
     """The matched stop of a `GenerateComplete` whose wire spells it as the `matched_stop` oneof
-    (SGLang, TokenSpeed): (stop token id, stop string), at most one set."""
+    (SGLang, TokenSpeed, vLLM, TRT-LLM): (stop token id, stop string), at most one set."""
     which = complete.WhichOneof("matched_stop")
     return (
         complete.matched_token_id if which == "matched_token_id" else None,
@@ -96,6 +123,8 @@ class GrpcEngineClient:
 
     engine: ClassVar[str]
     capabilities: ClassVar[EngineCapabilities]
+    #: The wire's stream chunks count the tokens of that chunk (vLLM), not all so far (SGLang).
+    _delta_counts: ClassVar[bool] = False
     # Set once per subclass; not declared ClassVar, which would make mypy bind the stub class as a method
     # and reject the plain `_pb = module` assignments of the subclasses.
     _pb: ModuleType
@@ -149,30 +178,37 @@ class GrpcEngineClient:
         """The wire's `GenerateRequest` message for `request`."""
         raise NotImplementedError
 
+    async def _generate_message(self, request: GenerateRequest) -> Any:
+        """The message `generate` sends: `to_proto(request)`, on wires that need nothing else to know."""
+        return self.to_proto(request)
+
     async def _scheduler_stream(
         self, request: GenerateRequest, matched_stop: Callable[[Any], tuple[int | None, str | None]]
     ) -> AsyncGenerator[EngineChunk, None]:
-        """`Generate` on the scheduler-style wires (SGLang, TokenSpeed, MLX: one `chunk` / `complete`
-        oneof with the same field names), normalised: chunks carry new token ids; in stream mode the
-        final `GenerateComplete` repeats the last chunk's ids (smg_grpc_servicer), so only its finish
-        reason, counts and matched stop count. The request is checked when the stream is first read;
-        the call is cancelled on every exit."""
+        """`Generate` on the scheduler-style wires (SGLang, TokenSpeed, vLLM, MLX: one `chunk` /
+        `complete` oneof with the same field names), normalised: chunks carry new token ids; in stream
+        mode the final `GenerateComplete` repeats the last chunk's ids (smg_grpc_servicer), so only its
+        finish reason, counts and matched stop count. Where chunks count only their own tokens
+        (`_delta_counts`), the counts become running totals per choice. The request is checked when the
+        stream is first read."""
         self.check(request)
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
         stream = request.stream
         want_logprobs = request.return_logprob
-        try:
+        delta_counts = self._delta_counts
+        generated: dict[int, int] = {}  # running completion count per choice, when chunks carry deltas
+        with self._generate_call(await self._generate_message(request)) as call:
             async for reply in call:
                 which = reply.WhichOneof("response")
                 if which == "chunk":
                     c = reply.chunk
+                    completion = c.completion_tokens
+                    if delta_counts:
+                        completion = generated[c.index] = generated.get(c.index, 0) + completion
                     yield EngineChunk(
                         c.index,
                         list(c.token_ids),
                         c.prompt_tokens,
-                        c.completion_tokens,
+                        completion,
                         c.cached_tokens,
                         token_logprobs(c.output_logprobs) if want_logprobs else None,
                     )
@@ -183,7 +219,7 @@ class GrpcEngineClient:
                         c.index,
                         [] if stream else list(c.output_ids),
                         c.prompt_tokens,
-                        c.completion_tokens,
+                        max(generated.get(c.index, 0), c.completion_tokens),
                         c.cached_tokens,
                         None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
                         True,
@@ -191,8 +227,15 @@ class GrpcEngineClient:
                         stop_token,
                         stop_str,
                     )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
+
+    @contextlib.contextmanager
+    def _generate_call(self, message: Any) -> Iterator[Any]:
+        """`Generate` with `message`, a stream of replies: a failed call surfaces as `errors.Upstream*`,
+        and the call is cancelled on every exit, so an abandoned stream does not keep the engine busy."""
+        call = self._stub.Generate(message, timeout=self._request_timeout, metadata=call_metadata())
+        try:
+            with map_grpc_errors(self.url):
+                yield call
         finally:
             if not call.done():
                 call.cancel()
@@ -216,13 +259,18 @@ class GrpcEngineClient:
             max_context_length=info.max_context_length,
             eos_token_ids=list(info.eos_token_ids),
             default_sampling=self._default_sampling(info),
-            tokenizer_path=info.tokenizer_path,
+            tokenizer_path=self._tokenizer_path(info),
         )
 
     @staticmethod
     def _default_sampling(info: Any) -> dict[str, Any]:
         """The sampling defaults a `GetModelInfoResponse` advertises."""
         return ModelInfo.parse_sampling_json(info.default_sampling_params_json)
+
+    @staticmethod
+    def _tokenizer_path(info: Any) -> str:
+        """Where a `GetModelInfoResponse` says the engine's tokenizer files are."""
+        return str(info.tokenizer_path)
 
     async def health(self, timeout: float) -> bool:
         with map_grpc_errors(self.url):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import grpc
 
 from ..errors import UpstreamError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from .base import translating_errors
 
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
 
@@ -24,9 +24,6 @@ def translate_rpc_error(exc: grpc.aio.AioRpcError, url: str) -> UpstreamError:
     return UpstreamError(f"engine at {url} failed: {code.name}: {detail}")
 
 
-@contextlib.contextmanager
-def map_grpc_errors(url: str) -> Iterator[None]:
-    try:
-        yield
-    except grpc.aio.AioRpcError as exc:
-        raise translate_rpc_error(exc, url) from exc
+def map_grpc_errors(url: str) -> contextlib.AbstractContextManager[None]:
+    """A context in which a failed gRPC call raises its `translate_rpc_error` instead."""
+    return translating_errors(grpc.aio.AioRpcError, translate_rpc_error, url)

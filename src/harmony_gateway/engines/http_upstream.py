@@ -24,7 +24,7 @@ abort the request, so `abort()` does nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -38,7 +38,7 @@ from ..errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url
+from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url, translating_errors
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -74,22 +74,18 @@ def status_error(url: str, response: httpx.Response, body: bytes) -> UpstreamErr
     return UpstreamError(f"upstream at {url} failed with HTTP {status}: {message}")
 
 
-@contextlib.contextmanager
-def map_httpx_errors(url: str) -> Iterator[None]:
-    """Translate httpx transport errors into Upstream* errors (httpx's own `map_httpcore_exceptions`)."""
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(f"upstream at {url} did not answer in time ({type(exc).__name__})") from exc
-    except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
-        error: UpstreamError
-        if isinstance(exc, httpx.ConnectError):
-            error = UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}")
-        else:
-            error = UpstreamError(f"upstream at {url} broke the connection: {exc}")
-        raise error from exc
-    except httpx.TransportError as exc:
-        raise UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}") from exc
+def translate_httpx_error(exc: httpx.TransportError, url: str) -> UpstreamError:
+    """The gateway error for an httpx transport failure (httpx's own `map_httpcore_exceptions`)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamTimeout(f"upstream at {url} did not answer in time ({type(exc).__name__})")
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return UpstreamError(f"upstream at {url} broke the connection: {exc}")
+    return UpstreamUnavailable(f"upstream at {url} is unavailable: {exc}")  # refused, DNS, reset...
+
+
+def map_httpx_errors(url: str) -> contextlib.AbstractContextManager[None]:
+    """A context in which an httpx transport error raises its `translate_httpx_error` instead."""
+    return translating_errors(httpx.TransportError, translate_httpx_error, url)
 
 
 class _Choice:
@@ -241,13 +237,7 @@ class HttpUpstreamClient:
         usage = data.get("usage") or {}
         out: list[EngineChunk] = []
         for choice in data.get("choices") or []:
-            if api == "chat":
-                message = choice.get("message") or {}
-                text = message.get("content") or ""
-                delta = _structured(message, choice, with_index=True)
-            else:
-                text = choice.get("text") or ""
-                delta = None
+            text, delta = _choice_output(choice, api, stream=False)
             chunk = EngineChunk(index=int(choice.get("index", 0)), text=text, upstream_delta=delta)
             _finish(chunk, choice.get("finish_reason"), usage, first=not out)
             out.append(chunk)
@@ -286,14 +276,10 @@ class HttpUpstreamClient:
                     usage = event["usage"]
                 for choice in event.get("choices") or ():
                     index = int(choice.get("index", 0))
-                    state = choices.setdefault(index, _Choice())
-                    if api == "chat":
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or ""
-                        structured = _structured(delta, choice, with_index=False)
-                    else:
-                        text = choice.get("text") or ""
-                        structured = None
+                    state = choices.get(index)
+                    if state is None:
+                        state = choices[index] = _Choice()
+                    text, structured = _choice_output(choice, api, stream=True)
                     if structured:
                         parts = pending.pop(index, None)
                         if parts:  # keep the choice's order: earlier text first
@@ -317,21 +303,25 @@ class HttpUpstreamClient:
             yield chunk
 
 
-def _structured(source: dict[str, Any], choice: dict[str, Any], *, with_index: bool) -> dict[str, Any] | None:
-    """Reasoning, tool calls and logprobs the upstream produced itself, or None."""
-    out: dict[str, Any] = {}
-    reasoning = source.get("reasoning_content") or source.get("reasoning")
+def _choice_output(choice: dict[str, Any], api: str, *, stream: bool) -> tuple[str, dict[str, Any] | None]:
+    """A choice's output text, and what the upstream parsed itself (reasoning, tool calls, logprobs) or
+    None: from a chat choice's `message` (its `delta` in a stream), or a completions choice's `text`."""
+    if api != "chat":
+        return choice.get("text") or "", None
+    message = choice.get("delta" if stream else "message") or {}
+    parsed: dict[str, Any] = {}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
-        out["reasoning"] = reasoning
-    calls = source.get("tool_calls")
+        parsed["reasoning"] = reasoning
+    calls = message.get("tool_calls")
     if calls:
-        if with_index:  # a non-stream message: give each call the index a stream would
+        if not stream:  # a whole message: give each call the index a stream would
             calls = [{"index": i, **call} for i, call in enumerate(calls)]
-        out["tool_calls"] = calls
+        parsed["tool_calls"] = calls
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict) and logprobs.get("content"):
-        out["logprobs"] = logprobs["content"]
-    return out or None
+        parsed["logprobs"] = logprobs["content"]
+    return message.get("content") or "", parsed or None
 
 
 def _finish(chunk: EngineChunk, finish_reason: str | None, usage: dict[str, Any], *, first: bool) -> None:
@@ -353,4 +343,4 @@ def _finish(chunk: EngineChunk, finish_reason: str | None, usage: dict[str, Any]
             chunk.upstream_delta = {**(chunk.upstream_delta or {}), "reasoning_tokens": int(reasoning)}
 
 
-__all__ = ["APIS", "HttpUpstreamClient", "map_httpx_errors", "status_error"]
+__all__ = ["APIS", "HttpUpstreamClient", "map_httpx_errors", "status_error", "translate_httpx_error"]

@@ -24,25 +24,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Any
 
 from smg_grpc_proto.generated import mlx_engine_pb2 as pb
 from smg_grpc_proto.generated import mlx_engine_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
-from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo
-from .grpc_common import GrpcEngineClient
+from .base import BASIC_CAPABILITIES, EngineChunk, GenerateRequest
+from .grpc_common import SHARED_SAMPLING, GrpcEngineClient, int32_seed, sampling_fields
 from .grpc_errors import map_grpc_errors
 
-CAPABILITIES = EngineCapabilities(
-    n=False,
-    stop_strings=False,
-    constraints=False,
-    stream_interval=False,
-    server_info=True,
-    tokenizer=True,
-    implicit_stops=False,
-)
+#: The basics only (no `n`, stop strings, constraints or stream interval), and every stop id must be sent;
+#: it answers server info and sends its tokenizer.
+CAPABILITIES = replace(BASIC_CAPABILITIES, server_info=True, tokenizer=True, implicit_stops=False)
 
 
 def _matched_stop(complete: Any) -> tuple[int | None, str | None]:
@@ -58,18 +53,13 @@ class MlxGrpcClient(GrpcEngineClient):
     _pb = pb
     _stub_type = pb_grpc.MlxEngineStub
 
-    async def model_info(self, timeout: float = 10.0) -> ModelInfo:
-        with map_grpc_errors(self.url):
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
-        self.vocab_size = info.vocab_size
-        self.eos_token_ids = list(info.eos_token_ids)
-        return ModelInfo(
-            served_model_name=info.served_model_name or info.model_path,
-            model_type=info.model_type,
-            architectures=list(info.architectures),
-            max_context_length=info.max_context_length,
-            eos_token_ids=list(info.eos_token_ids),
-        )
+    @staticmethod
+    def _default_sampling(info: Any) -> dict[str, Any]:
+        return {}  # the MLX wire advertises no sampling defaults
+
+    @staticmethod
+    def _tokenizer_path(info: Any) -> str:
+        return ""  # nor a tokenizer path: GetTokenizer sends the files
 
     async def server_info(self, timeout: float = 10.0) -> dict[str, object]:
         with map_grpc_errors(self.url):
@@ -90,20 +80,15 @@ class MlxGrpcClient(GrpcEngineClient):
         # model's own EOS ids (a caller's list replaces nothing on this wire, it only adds).
         stops = list(dict.fromkeys([*s.stop_token_ids, *([] if s.ignore_eos else self.eos_token_ids)]))
         params = pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
+            **sampling_fields(s, SHARED_SAMPLING),
             top_k=max(s.top_k, 0),  # uint32 on this wire: 0 disables top-k
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
             stop_token_ids=stops,
             ignore_eos=s.ignore_eos,
         )
         # Unset means "the rest of the context" on this wire; the gateway always knows the budget.
         params.max_tokens = s.max_new_tokens if s.max_new_tokens is not None else self.default_max_tokens
         if s.seed is not None:
-            params.seed = ((s.seed + 2**31) % 2**32) - 2**31  # int32 on this wire
+            params.seed = int32_seed(s.seed)
         if request.return_logprob:
             params.logprobs = request.top_logprobs_num
         return pb.GenerateRequest(

@@ -21,14 +21,13 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-import grpc
 from smg_grpc_proto.generated import trtllm_service_pb2 as pb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as pb_grpc
 
 from ..errors import UpstreamError
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, TokenLogprob
-from .grpc_common import GrpcEngineClient, call_metadata
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import SHARED_SAMPLING, GrpcEngineClient, oneof_matched_stop, sampling_fields
+from .grpc_errors import map_grpc_errors
 
 CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False)
 
@@ -73,16 +72,11 @@ class TrtllmGrpcClient(GrpcEngineClient):
     def to_proto(self, request: GenerateRequest) -> pb.GenerateRequest:
         s = request.sampling
         config = pb.SamplingConfig(
+            **sampling_fields(s, SHARED_SAMPLING),
             beam_width=1,
             num_return_sequences=s.n,
             top_k=max(s.top_k, 0),  # 0 disables top-k on this wire
-            top_p=s.top_p,
-            temperature=s.temperature,
             min_tokens=s.min_new_tokens,
-            repetition_penalty=s.repetition_penalty,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            min_p=s.min_p,
         )
         if s.seed is not None:
             config.seed = s.seed % 2**64
@@ -112,13 +106,10 @@ class TrtllmGrpcClient(GrpcEngineClient):
         self.check(request)
         if request.bootstrap is not None:
             raise UpstreamError(f"the trtllm engine at {self.url} cannot serve prefill/decode pairs")
-        call = self._stub.Generate(
-            self.to_proto(request), timeout=self._request_timeout, metadata=call_metadata()
-        )
         stream = request.stream
         want_logprobs = request.return_logprob
         streamed: set[int] = set()
-        try:
+        with self._generate_call(self.to_proto(request)) as call:
             async for reply in call:
                 which = reply.WhichOneof("response")
                 if which == "chunk":
@@ -134,7 +125,7 @@ class TrtllmGrpcClient(GrpcEngineClient):
                     )
                 elif which == "complete":
                     c = reply.complete
-                    matched = c.WhichOneof("matched_stop")
+                    stop_token, stop_str = oneof_matched_stop(c)
                     take_ids = not stream or c.sequence_index not in streamed
                     yield EngineChunk(
                         c.sequence_index,
@@ -145,14 +136,9 @@ class TrtllmGrpcClient(GrpcEngineClient):
                         trtllm_logprobs(c.logprobs) if take_ids and want_logprobs else None,
                         True,
                         c.finish_reason or "stop",
-                        c.matched_token_id if matched == "matched_token_id" else None,
-                        c.matched_stop_str if matched == "matched_stop_str" else None,
+                        stop_token,
+                        stop_str,
                     )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
 
 
 def _guide(

@@ -1,7 +1,8 @@
 """Engine client for the vLLM engine gRPC service (`vllm.grpc.engine.VllmEngine`).
 
-Normalises vLLM's stream (the servicer runs the engine with `output_kind=DELTA` when streaming) into the
-same `EngineChunk`s the SGLang client yields:
+vLLM's stream (the servicer runs the engine with `output_kind=DELTA` when streaming) has SGLang's shape
+but for its counts, so it goes through the same normalisation (`GrpcEngineClient._scheduler_stream`,
+with `_delta_counts`) into the same `EngineChunk`s the SGLang client yields:
 
 | wire                                  | vLLM                                  | EngineChunk                      |
 |---------------------------------------|---------------------------------------|----------------------------------|
@@ -23,14 +24,21 @@ import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from .base import BootstrapInfo, EngineCapabilities, EngineChunk, GenerateRequest
-from .grpc_common import GrpcEngineClient, call_metadata, set_constraint, token_logprobs
-from .grpc_errors import map_grpc_errors, translate_rpc_error
+from .grpc_common import (
+    SHARED_SAMPLING,
+    SHARED_STOPS,
+    GrpcEngineClient,
+    int32_seed,
+    oneof_matched_stop,
+    sampling_fields,
+    set_constraint,
+)
+from .grpc_errors import map_grpc_errors
 
 #: `GetServerInfo.kv_role` of a worker that produces KV caches (a prefill worker).
 KV_PRODUCER = "kv_producer"
@@ -68,6 +76,7 @@ class VllmGrpcClient(GrpcEngineClient):
     capabilities = EngineCapabilities(server_info=True, tokenizer=True)
     _pb = pb
     _stub_type = pb_grpc.VllmEngineStub
+    _delta_counts = True
 
     def __init__(self, url: str, *, request_timeout: float = 600.0) -> None:
         super().__init__(url, request_timeout=request_timeout)
@@ -88,26 +97,15 @@ class VllmGrpcClient(GrpcEngineClient):
     def to_proto(self, request: GenerateRequest, kv_role: str = "") -> pb.GenerateRequest:
         s = request.sampling
         params = pb.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
+            **sampling_fields(s, SHARED_SAMPLING + SHARED_STOPS),
             top_k=max(s.top_k, 0),  # uint32 on this wire: 0 disables top-k
-            min_p=s.min_p,
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            repetition_penalty=s.repetition_penalty,
             min_tokens=s.min_new_tokens,
-            stop=s.stop,
-            stop_token_ids=s.stop_token_ids,
-            skip_special_tokens=s.skip_special_tokens,
-            ignore_eos=s.ignore_eos,
-            n=s.n,
             include_stop_str_in_output=s.no_stop_trim,
         )
         if s.max_new_tokens is not None:
             params.max_tokens = s.max_new_tokens
         if s.seed is not None:
-            # The wire carries int32; fold wider client seeds (OpenAI allows 64-bit) deterministically.
-            params.seed = ((s.seed + 2**31) % 2**32) - 2**31
+            params.seed = int32_seed(s.seed)
         if request.return_logprob:
             params.logprobs = request.top_logprobs_num
         set_constraint(params, s)
@@ -135,50 +133,12 @@ class VllmGrpcClient(GrpcEngineClient):
                 return ""  # unknown role: the worker is treated as a consumer, and asked again next time
         return self.kv_role or ""
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
-        self.check(request)
+    async def _generate_message(self, request: GenerateRequest) -> pb.GenerateRequest:
         kv_role = await self._kv_role() if request.bootstrap is not None else ""
-        call = self._stub.Generate(
-            self.to_proto(request, kv_role), timeout=self._request_timeout, metadata=call_metadata()
-        )
-        stream = request.stream
-        want_logprobs = request.return_logprob
-        generated: dict[int, int] = {}  # running completion count per choice (chunks carry deltas)
-        try:
-            async for reply in call:
-                which = reply.WhichOneof("response")
-                if which == "chunk":
-                    c = reply.chunk
-                    total = generated.get(c.index, 0) + c.completion_tokens
-                    generated[c.index] = total
-                    yield EngineChunk(
-                        c.index,
-                        list(c.token_ids),
-                        c.prompt_tokens,
-                        total,
-                        c.cached_tokens,
-                        token_logprobs(c.output_logprobs) if want_logprobs else None,
-                    )
-                elif which == "complete":
-                    c = reply.complete
-                    matched_stop = c.WhichOneof("matched_stop")
-                    yield EngineChunk(
-                        c.index,
-                        [] if stream else list(c.output_ids),
-                        c.prompt_tokens,
-                        max(generated.get(c.index, 0), c.completion_tokens),
-                        c.cached_tokens,
-                        None if stream or not want_logprobs else token_logprobs(c.output_logprobs),
-                        True,
-                        c.finish_reason or "stop",
-                        c.matched_token_id if matched_stop == "matched_token_id" else None,
-                        c.matched_stop_str if matched_stop == "matched_stop_str" else None,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            raise translate_rpc_error(exc, self.url) from exc
-        finally:
-            if not call.done():
-                call.cancel()
+        return self.to_proto(request, kv_role)
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
+        return self._scheduler_stream(request, oneof_matched_stop)
 
 
 __all__ = ["KV_PRODUCER", "VllmGrpcClient", "kv_transfer_params"]

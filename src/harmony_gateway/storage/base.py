@@ -1,4 +1,5 @@
-"""Storage records and the `Store` protocol every backend (memory, SQLite, PostgreSQL) implements.
+"""Storage records and the `Store` protocol every backend (memory, SQLite, PostgreSQL) subclasses: it
+checks the arguments of the contract once, and a backend implements what is left.
 
 The pipeline persists stored Responses (with their input items and the replay history it needs to
 continue a `previous_response_id` chain), a per-response event log for resuming background streams,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypedDict, Unpack, runtime_checkable
 
 import orjson
 
@@ -25,6 +26,18 @@ from ..types.limits import (
 RESPONSE_STATUSES = frozenset({"queued", "in_progress", "completed", "incomplete", "failed", "cancelled"})
 
 Order = Literal["asc", "desc"]
+
+
+class PageArgs(TypedDict, total=False):
+    """The keywords that pick one page of a list (`Store.list_input_items`, `list_conversation_items`).
+
+    `after` is an item id cursor: the page starts just past it in the requested order (default: the
+    first page). `limit` caps the page (default 20), `order` is by position (default "desc").
+    """
+
+    after: str | None
+    limit: int
+    order: Order
 
 
 @dataclass(slots=True)
@@ -101,6 +114,17 @@ class ConversationItem:
     created_at: int
 
 
+class NewItems:
+    """Items on their way into a conversation, with their ids (`item_ids`): read, and checked to be
+    there, once, by `Store` before a backend stores them."""
+
+    __slots__ = ("ids", "items")
+
+    def __init__(self, items: Sequence[dict[str, Any]]) -> None:
+        self.items = items
+        self.ids = item_ids(items)
+
+
 @dataclass(slots=True)
 class Page:
     """One page of a list endpoint: item dicts in the requested order, OpenAI's list envelope fields."""
@@ -157,6 +181,10 @@ class Store(Protocol):
     Writes are committed when the coroutine returns: a process killed right afterwards does not
     lose them. A payload that is not JSON-serializable raises TypeError and nothing is written.
     Database errors other than the domain errors named below propagate unchanged.
+
+    Backends subclass it. Where the contract checks arguments, the method here checks them and hands
+    on to a `_`-prefixed method of the backend (at the end of the class), so every backend refuses
+    the same input the same way.
     """
 
     async def start(self) -> None:
@@ -178,7 +206,8 @@ class Store(Protocol):
 
         Raises ValueError for an unknown status or an input item without an `id`.
         """
-        ...
+        check_response(response)
+        await self._put_response(response)
 
     async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
         """Replace the stored response `response.id` with `response` only while its status is one of
@@ -188,7 +217,8 @@ class Store(Protocol):
         False as well when the response is missing or belongs to another owner. Raises ValueError as
         `put_response` does.
         """
-        ...
+        check_response(response)
+        return await self._update_response_if(response, from_statuses)
 
     async def get_response(self, response_id: str, owner: str) -> StoredResponse | None: ...
 
@@ -201,22 +231,15 @@ class Store(Protocol):
         """Delete a response and its event log; False if it is not visible to `owner`."""
         ...
 
-    async def list_input_items(
-        self,
-        response_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        """One page of the response's input items; None if the response is not visible.
+    async def list_input_items(self, response_id: str, owner: str, **page: Unpack[PageArgs]) -> Page | None:
+        """One page of the response's input items (`PageArgs`); None if the response is not visible.
 
-        `after` is an item id cursor: the page starts just past it in the requested order.
         Raises errors.InvalidRequest (param `after`) for a cursor that is not one of the items,
         ValueError for `limit < 1` or an unknown order.
         """
-        ...
+        after, limit, order = page_args(page)
+        items = await self._input_items(response_id, owner)
+        return None if items is None else paginate(items, after=after, limit=limit, order=order)
 
     async def load_recent_chain(
         self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
@@ -232,7 +255,9 @@ class Store(Protocol):
         `max_depth < 1`. A missing or invisible ancestor ends the walk there, as does a cycle (the walk
         stops before repeating a response). At most `max_depth` responses are returned: the newest ones.
         """
-        ...
+        check_max_depth(max_depth)
+        check_budget(max_bytes)
+        return await self._load_recent_chain(response_id, owner, max_bytes, max_depth)
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
@@ -248,7 +273,9 @@ class Store(Protocol):
         An event whose sequence number is already stored for the response is ignored, so a retried
         append is harmless.
         """
-        ...
+        numbers = sequence_numbers(events)
+        if events:
+            await self._append_events(response_id, numbers, events)
 
     async def list_events(self, response_id: str, *, after: int = -1) -> list[dict[str, Any]]:
         """Stored events with `sequence_number > after`, ordered by sequence number."""
@@ -268,7 +295,9 @@ class Store(Protocol):
         Raises ValueError for an item without an `id`, errors.Conflict if the conversation id
         exists or item ids repeat, errors.InvalidRequest if the items pass `limits`.
         """
-        ...
+        new = NewItems(items)
+        check_new_item_ids(new.ids, set())
+        return await self._create_conversation(conversation, new, limits)
 
     async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None: ...
 
@@ -299,7 +328,7 @@ class Store(Protocol):
         id already in the conversation and errors.InvalidRequest (`ConversationLimits.check`) past a
         limit; nothing is written then.
         """
-        ...
+        return await self._add_conversation_items(conversation_id, owner, NewItems(items), limits)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         """How many items the conversation holds; None if it is not visible."""
@@ -319,19 +348,14 @@ class Store(Protocol):
         not the conversation. The walk stops at the first item that does not fit, so the result is
         always a contiguous tail of the conversation. Raises ValueError for `max_bytes < 0`.
         """
-        ...
+        check_budget(max_bytes)
+        return await self._recent_conversation_items(conversation_id, owner, max_bytes)
 
     async def list_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
+        self, conversation_id: str, owner: str, **page: Unpack[PageArgs]
     ) -> Page | None:
-        """One page of item dicts by position; same cursor contract as `list_input_items`."""
-        ...
+        """One page of item dicts by position (`PageArgs`); raises as `list_input_items` does."""
+        return await self._list_conversation_items(conversation_id, owner, *page_args(page))
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
@@ -400,6 +424,52 @@ class Store(Protocol):
         """Give the lease up if `owner` holds it, so another process need not wait for expiry."""
         ...
 
+    # -- implemented by each backend, called once the arguments are checked ----------------------
+
+    async def _put_response(self, response: StoredResponse) -> None: ...
+
+    async def _update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool: ...
+
+    async def _input_items(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
+        """The response's input items, for the caller to keep (a copy, if the backend holds the
+        originals); None if it is not visible."""
+        ...
+
+    async def _load_recent_chain(
+        self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
+    ) -> RecentChain: ...
+
+    async def _append_events(
+        self, response_id: str, numbers: list[int], events: Sequence[dict[str, Any]]
+    ) -> None:
+        """Append `events` (at least one), whose sequence numbers are `numbers`."""
+        ...
+
+    async def _create_conversation(
+        self, conversation: StoredConversation, new: NewItems, limits: ConversationLimits | None
+    ) -> list[ConversationItem]:
+        """Create the conversation with the items `new`, whose ids differ from each other."""
+        ...
+
+    async def _add_conversation_items(
+        self, conversation_id: str, owner: str, new: NewItems, limits: ConversationLimits | None
+    ) -> list[ConversationItem] | None: ...
+
+    async def _recent_conversation_items(
+        self, conversation_id: str, owner: str, max_bytes: int | None
+    ) -> RecentItems | None: ...
+
+    async def _list_conversation_items(
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: Order
+    ) -> Page | None: ...
+
+
+def check_response(response: StoredResponse) -> None:
+    """ValueError for a response that cannot be stored: an unknown status or an input item without an `id`."""
+    if response.status not in RESPONSE_STATUSES:
+        raise ValueError(f"unknown response status {response.status!r}")
+    item_ids(response.input_items)
+
 
 def item_ids(items: Sequence[dict[str, Any]]) -> list[str]:
     """The `id` of each item; ValueError if one lacks a non-empty string id."""
@@ -452,11 +522,18 @@ def within_budget(sizes_newest_first: Sequence[int], max_bytes: int | None) -> i
     return min(len(sizes_newest_first), max(1, newest_within(sizes_newest_first, max_bytes)))
 
 
-def check_page_args(limit: int, order: str) -> None:
+def page_args(page: PageArgs) -> tuple[str | None, int, Order]:
+    """`page`'s (after, limit, order), defaults filled in. ValueError for `limit < 1` or an unknown
+    order, TypeError for a keyword that is none of them (as a plain signature would raise)."""
+    unknown = page.keys() - PageArgs.__optional_keys__
+    if unknown:
+        raise TypeError(f"unexpected page keyword {', '.join(sorted(unknown))}")
+    limit, order = page.get("limit", 20), page.get("order", "desc")
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}")
     if order not in ("asc", "desc"):
         raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+    return page.get("after"), limit, order
 
 
 def check_max_depth(max_depth: int) -> None:
@@ -470,7 +547,6 @@ def unknown_cursor(after: str) -> errors.InvalidRequest:
 
 def paginate(items: Sequence[dict[str, Any]], *, after: str | None, limit: int, order: Order) -> Page:
     """Cut one page out of the full, ascending list of item dicts (see `Store.list_input_items`)."""
-    check_page_args(limit, order)
     ordered = list(items) if order == "asc" else list(reversed(items))
     start = 0
     if after is not None:

@@ -16,35 +16,10 @@ from typing import Any
 
 import orjson
 
+import harmony_gateway.storage.base as base
+
 from .. import errors
 from ..types.limits import ConversationLimits, ConversationSize
-from .base import (
-    RESPONSE_STATUSES,
-    ConversationItem,
-    Order,
-    Page,
-    RecentChain,
-    RecentItems,
-    StoredConversation,
-    StoredResponse,
-    StoredWorker,
-    WorkerHealth,
-    check_budget,
-    check_max_depth,
-    check_new_item_ids,
-    check_page_args,
-    item_ids,
-    make_page,
-    newest_within,
-    paginate,
-    previous_response_not_found,
-    replay_size,
-    sequence_numbers,
-    size_of,
-    unknown_cursor,
-    within_budget,
-    worker_health_key,
-)
 
 DEFAULT_MAX_RESPONSES = 10_000
 DEFAULT_MAX_CONVERSATIONS = 10_000
@@ -68,7 +43,7 @@ def _copy_items(items: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     return copies, sizes
 
 
-def _copy_response(response: StoredResponse) -> StoredResponse:
+def _copy_response(response: base.StoredResponse) -> base.StoredResponse:
     return replace(
         response,
         response=_copy(response.response),
@@ -81,8 +56,8 @@ def _copy_response(response: StoredResponse) -> StoredResponse:
 
 @dataclass(slots=True)
 class _Conversation:
-    record: StoredConversation
-    items: list[ConversationItem] = field(default_factory=list)
+    record: base.StoredConversation
+    items: list[base.ConversationItem] = field(default_factory=list)
     #: Each item's stored size, by item id.
     sizes: dict[str, int] = field(default_factory=dict)
     next_position: int = 0
@@ -91,7 +66,7 @@ class _Conversation:
         return ConversationSize(len(self.items), sum(self.sizes.values()))
 
 
-class MemoryStore:
+class MemoryStore(base.Store):
     """A `Store` held in dicts; see the module docstring for bounds.
 
     No method awaits while it mutates state, so every call is atomic with respect to other tasks
@@ -111,7 +86,7 @@ class MemoryStore:
         self.max_responses = max_responses
         self.max_conversations = max_conversations
         # Insertion order is creation order, so the first entry is the one to evict.
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._responses: OrderedDict[str, base.StoredResponse] = OrderedDict()
         self._events: dict[str, dict[int, dict[str, Any]]] = {}
         #: Each stored response's `replay_size`, by id.
         self._replay_sizes: dict[str, int] = {}
@@ -119,8 +94,8 @@ class MemoryStore:
         #: Gateway values, oldest first; bounded like responses (the oldest is evicted first).
         self._values: OrderedDict[str, tuple[dict[str, Any], float | None]] = OrderedDict()
         self.max_values = DEFAULT_MAX_VALUES
-        self._workers: dict[str, StoredWorker] = {}
-        self._worker_health: dict[str, WorkerHealth] = {}
+        self._workers: dict[str, base.StoredWorker] = {}
+        self._worker_health: dict[str, base.WorkerHealth] = {}
         self._leases: dict[str, tuple[str, float]] = {}
 
     async def start(self) -> None:
@@ -131,11 +106,8 @@ class MemoryStore:
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def put_response(self, response: StoredResponse) -> None:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
-        size = replay_size(response)
+    async def _put_response(self, response: base.StoredResponse) -> None:
+        size = base.replay_size(response)
         self._responses[response.id] = _copy_response(response)
         self._replay_sizes[response.id] = size
         while len(self._responses) > self.max_responses:
@@ -143,14 +115,13 @@ class MemoryStore:
             self._events.pop(evicted, None)
             self._replay_sizes.pop(evicted, None)
 
-    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
+    async def _update_response_if(
+        self, response: base.StoredResponse, from_statuses: Collection[str]
+    ) -> bool:
         stored = self._visible(response.id, response.owner)
         if stored is None or stored.status not in from_statuses:
             return False
-        size = replay_size(response)
+        size = base.replay_size(response)
         # Replaced in place: the response keeps its position in the eviction order.
         self._responses[response.id] = _copy_response(response)
         self._replay_sizes[response.id] = size
@@ -160,11 +131,11 @@ class MemoryStore:
         stored = self._responses.get(response_id)
         return stored.status if stored is not None else None
 
-    def _visible(self, response_id: str, owner: str) -> StoredResponse | None:
+    def _visible(self, response_id: str, owner: str) -> base.StoredResponse | None:
         stored = self._responses.get(response_id)
         return stored if stored is not None and stored.owner == owner else None
 
-    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+    async def get_response(self, response_id: str, owner: str) -> base.StoredResponse | None:
         stored = self._visible(response_id, owner)
         return _copy_response(stored) if stored is not None else None
 
@@ -176,30 +147,16 @@ class MemoryStore:
         self._replay_sizes.pop(response_id, None)
         return True
 
-    async def list_input_items(
-        self,
-        response_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
+    async def _input_items(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
         stored = self._visible(response_id, owner)
-        if stored is None:
-            return None
-        page = paginate(stored.input_items, after=after, limit=limit, order=order)
-        page.data = _copy(page.data)
-        return page
+        return _copy(stored.input_items) if stored is not None else None
 
-    async def load_recent_chain(
-        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
-    ) -> RecentChain:
-        check_max_depth(max_depth)
-        check_budget(max_bytes)
+    async def _load_recent_chain(
+        self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
+    ) -> base.RecentChain:
         if self._visible(response_id, owner) is None:
-            raise previous_response_not_found(response_id)
-        walked: list[StoredResponse] = []
+            raise base.previous_response_not_found(response_id)
+        walked: list[base.StoredResponse] = []
         seen: set[str] = set()
         current: str | None = response_id
         while current is not None and current not in seen and len(walked) < max_depth:
@@ -209,13 +166,13 @@ class MemoryStore:
             seen.add(current)
             walked.append(stored)
             current = stored.previous_response_id
-        kept = within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
+        kept = base.within_budget([self._replay_sizes[r.id] for r in walked], max_bytes)
         chain = [_copy_response(r) for r in reversed(walked[:kept])]
-        return RecentChain(chain, omitted=kept < len(walked))
+        return base.RecentChain(chain, omitted=kept < len(walked))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
-    ) -> list[StoredResponse]:
+    ) -> list[base.StoredResponse]:
         found = [
             _copy_response(r)
             for r in self._responses.values()
@@ -226,8 +183,9 @@ class MemoryStore:
 
     # -- background event log -------------------------------------------------------------------
 
-    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
-        numbers = sequence_numbers(events)
+    async def _append_events(
+        self, response_id: str, numbers: list[int], events: Sequence[dict[str, Any]]
+    ) -> None:
         log = self._events.setdefault(response_id, {})
         for number, event in zip(numbers, events, strict=True):
             log.setdefault(number, _copy(event))
@@ -242,47 +200,41 @@ class MemoryStore:
         conversation = self._conversations.get(conversation_id)
         return conversation if conversation is not None and conversation.record.owner == owner else None
 
-    async def create_conversation(
-        self,
-        conversation: StoredConversation,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
-    ) -> list[ConversationItem]:
-        ids = item_ids(items)
-        check_new_item_ids(ids, set())
+    async def _create_conversation(
+        self, conversation: base.StoredConversation, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem]:
         if conversation.id in self._conversations:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.")
         # Copy (and so validate) everything before the first change: a failed call changes nothing.
         record = replace(conversation, metadata=_copy(conversation.metadata))
-        copies, sizes = _copy_items(items)
+        copies, sizes = _copy_items(new.items)
         if limits is not None:
-            limits.check(ConversationSize(), size_of(sizes))
+            limits.check(ConversationSize(), base.size_of(sizes))
         entry = _Conversation(record=record)
         self._conversations[conversation.id] = entry
         while len(self._conversations) > self.max_conversations:
             self._conversations.popitem(last=False)
-        return self._append(entry, ids, copies, sizes)
+        return self._append(entry, new.ids, copies, sizes)
 
     def _append(
         self, entry: _Conversation, ids: list[str], copies: list[dict[str, Any]], sizes: list[int]
-    ) -> list[ConversationItem]:
+    ) -> list[base.ConversationItem]:
         now = int(time.time())
         added = []
         for item_id, item, size in zip(ids, copies, sizes, strict=True):
-            added.append(ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
+            added.append(base.ConversationItem(item_id, entry.record.id, entry.next_position, item, now))
             entry.sizes[item_id] = size
             entry.next_position += 1
         entry.items.extend(added)
         return [replace(a, item=_copy(a.item)) for a in added]
 
-    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+    async def get_conversation(self, conversation_id: str, owner: str) -> base.StoredConversation | None:
         entry = self._conversation(conversation_id, owner)
         return replace(entry.record, metadata=_copy(entry.record.metadata)) if entry else None
 
     async def update_conversation_metadata(
         self, conversation_id: str, owner: str, metadata: dict[str, Any]
-    ) -> StoredConversation | None:
+    ) -> base.StoredConversation | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -295,23 +247,17 @@ class MemoryStore:
         del self._conversations[conversation_id]
         return True
 
-    async def add_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
-    ) -> list[ConversationItem] | None:
-        ids = item_ids(items)
+    async def _add_conversation_items(
+        self, conversation_id: str, owner: str, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem] | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        check_new_item_ids(ids, set(entry.sizes))
-        copies, sizes = _copy_items(items)
+        base.check_new_item_ids(new.ids, set(entry.sizes))
+        copies, sizes = _copy_items(new.items)
         if limits is not None:
-            limits.check(entry.size(), size_of(sizes))
-        return self._append(entry, ids, copies, sizes)
+            limits.check(entry.size(), base.size_of(sizes))
+        return self._append(entry, new.ids, copies, sizes)
 
     async def count_conversation_items(self, conversation_id: str, owner: str) -> int | None:
         entry = self._conversation(conversation_id, owner)
@@ -321,27 +267,19 @@ class MemoryStore:
         entry = self._conversation(conversation_id, owner)
         return entry.size() if entry is not None else None
 
-    async def recent_conversation_items(
-        self, conversation_id: str, owner: str, *, max_bytes: int | None
-    ) -> RecentItems | None:
-        check_budget(max_bytes)
+    async def _recent_conversation_items(
+        self, conversation_id: str, owner: str, max_bytes: int | None
+    ) -> base.RecentItems | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
-        kept = newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
+        kept = base.newest_within((entry.sizes[i.id] for i in reversed(entry.items)), max_bytes)
         tail = entry.items[len(entry.items) - kept :]
-        return RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
+        return base.RecentItems([_copy(i.item) for i in tail], omitted=len(entry.items) - kept)
 
-    async def list_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        check_page_args(limit, order)
+    async def _list_conversation_items(
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: base.Order
+    ) -> base.Page | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -353,12 +291,12 @@ class MemoryStore:
                     start = index + 1
                     break
             else:
-                raise unknown_cursor(after)
-        return make_page([_copy(i.item) for i in ordered[start : start + limit + 1]], limit)
+                raise base.unknown_cursor(after)
+        return base.make_page([_copy(i.item) for i in ordered[start : start + limit + 1]], limit)
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
-    ) -> ConversationItem | None:
+    ) -> base.ConversationItem | None:
         entry = self._conversation(conversation_id, owner)
         if entry is None:
             return None
@@ -419,7 +357,7 @@ class MemoryStore:
     # -- shared worker registry -----------------------------------------------------------------
     # One process only (memory:// is refused for serve --workers N), but the contract is the same.
 
-    async def add_worker(self, worker: StoredWorker) -> None:
+    async def add_worker(self, worker: base.StoredWorker) -> None:
         for existing in self._workers.values():
             if existing.id == worker.id or (existing.url, existing.kind) == (worker.url, worker.kind):
                 raise errors.Conflict(
@@ -427,20 +365,20 @@ class MemoryStore:
                 )
         self._workers[worker.id] = replace(worker)
 
-    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+    async def delete_worker(self, worker_id: str) -> base.StoredWorker | None:
         worker = self._workers.pop(worker_id, None)
         if worker is not None:
-            self._worker_health.pop(worker_health_key(worker.kind, worker.url), None)
+            self._worker_health.pop(base.worker_health_key(worker.kind, worker.url), None)
         return worker
 
-    async def list_workers(self) -> list[StoredWorker]:
+    async def list_workers(self) -> list[base.StoredWorker]:
         return sorted((replace(w) for w in self._workers.values()), key=lambda w: (w.created_at, w.id))
 
-    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+    async def put_worker_health(self, health: Sequence[base.WorkerHealth]) -> None:
         for row in health:
             self._worker_health[row.key] = replace(row, model_info=_copy(row.model_info))
 
-    async def list_worker_health(self) -> list[WorkerHealth]:
+    async def list_worker_health(self) -> list[base.WorkerHealth]:
         return [replace(h, model_info=_copy(h.model_info)) for h in self._worker_health.values()]
 
     async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:

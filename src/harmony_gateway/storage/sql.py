@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sqlite3
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, get_args, get_origin, get_type_hints
 
 import anyio
 import orjson
@@ -33,38 +34,17 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, Connection, Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+import harmony_gateway.storage.base as base
+
 from .. import errors
 from ..types.limits import ConversationLimits, ConversationSize
-from .base import (
-    RESPONSE_STATUSES,
-    ConversationItem,
-    Order,
-    Page,
-    RecentChain,
-    RecentItems,
-    StoredConversation,
-    StoredResponse,
-    StoredWorker,
-    WorkerHealth,
-    check_budget,
-    check_max_depth,
-    check_new_item_ids,
-    check_page_args,
-    item_ids,
-    item_sizes,
-    make_page,
-    newest_within,
-    paginate,
-    previous_response_not_found,
-    replay_size,
-    sequence_numbers,
-    size_of,
-    unknown_cursor,
-    within_budget,
-    worker_health_key,
-)
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+R = TypeVar("R", bound="DataclassInstance")
 
 #: The schema version this code writes; `start()` refuses a database with a newer one.
 SCHEMA_VERSION = 3
@@ -86,8 +66,58 @@ class _Json(sa.types.TypeDecorator[Any]):
         return None if value is None else orjson.loads(value)
 
 
+#: The column type of a record field, by the field's Python type.
+_COLUMN_TYPES: dict[type, Any] = {str: sa.Text, int: sa.BigInteger, float: sa.Double, bool: sa.Boolean}
+
+
+class _RecordRows(Generic[R]):
+    """How the rows of a table hold the records of a `base` dataclass: a column per field, named as the
+    field unless `renamed` says otherwise, typed by its annotation (str TEXT, int BIGINT or as `types`
+    says, float DOUBLE, bool BOOLEAN, dicts and lists JSON text), NOT NULL unless the field may be None.
+    `key` names the primary key's fields.
+    """
+
+    def __init__(
+        self,
+        record: type[R],
+        *,
+        key: Collection[str],
+        renamed: Mapping[str, str] | None = None,
+        types: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._record = record
+        self._key = key
+        self._types = types or {}
+        hints = get_type_hints(record)
+        #: (field, column, annotation) of each field, in the record's order.
+        self._fields = [
+            (f.name, (renamed or {}).get(f.name, f.name), hints[f.name]) for f in dataclasses.fields(record)
+        ]
+
+    def columns(self) -> list[sa.Column[Any]]:
+        """The columns of the record's fields, for its table."""
+        columns: list[sa.Column[Any]] = []
+        for name, column, hint in self._fields:
+            optional = type(None) in get_args(hint)
+            python_type = next(a for a in get_args(hint) if a is not type(None)) if optional else hint
+            python_type = get_origin(python_type) or python_type
+            column_type = self._types.get(name) or _COLUMN_TYPES.get(python_type, _Json)
+            columns.append(sa.Column(column, column_type, primary_key=name in self._key, nullable=optional))
+        return columns
+
+    def values(self, record: R) -> dict[str, Any]:
+        """`record` as column values."""
+        return {column: getattr(record, name) for name, column, _ in self._fields}
+
+    def record(self, row: sa.Row[Any]) -> R:
+        """The record a row of the table holds (other columns of the row are left out)."""
+        values = row._mapping
+        return self._record(**{name: values[column] for name, column, _ in self._fields})
+
+
 # The current schema. Tables are created in the default schema, which `schema_translate_map`
-# redirects when the store is opened with `schema=`.
+# redirects when the store is opened with `schema=`. The tables that hold `base` records get their
+# columns from the records (`_RecordRows`) and add what only the database needs.
 metadata = sa.MetaData()
 
 schema_version = sa.Table(
@@ -97,23 +127,11 @@ schema_version = sa.Table(
     sa.Column("applied_at", sa.Double, nullable=False),
 )
 
+_RESPONSE_ROWS = _RecordRows(base.StoredResponse, key=["id"])
 responses = sa.Table(
     "responses",
     metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("owner", sa.Text, nullable=False),
-    sa.Column("created_at", sa.BigInteger, nullable=False),
-    sa.Column("updated_at", sa.Double, nullable=False),
-    sa.Column("status", sa.Text, nullable=False),
-    sa.Column("model", sa.Text, nullable=False),
-    sa.Column("previous_response_id", sa.Text),
-    sa.Column("conversation_id", sa.Text),
-    sa.Column("background", sa.Boolean, nullable=False),
-    sa.Column("response", _Json, nullable=False),
-    sa.Column("input_items", _Json, nullable=False),
-    sa.Column("history", _Json, nullable=False),
-    sa.Column("request", _Json, nullable=False),
-    sa.Column("metadata", _Json, nullable=False),
+    *_RESPONSE_ROWS.columns(),
     # Version 3: `base.replay_size`, so a chain walk weighs its ancestors without reading them.
     sa.Column("replay_size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ix_responses_owner_id", "owner", "id"),
@@ -129,27 +147,24 @@ response_events = sa.Table(
     sa.Column("event", _Json, nullable=False),
 )
 
+_CONVERSATION_ROWS = _RecordRows(base.StoredConversation, key=["id"])
 conversations = sa.Table(
     "conversations",
     metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("owner", sa.Text, nullable=False),
-    sa.Column("created_at", sa.BigInteger, nullable=False),
-    sa.Column("metadata", _Json, nullable=False),
+    *_CONVERSATION_ROWS.columns(),
     # The next item position; kept on the conversation row so that locking the row serialises
     # appends and positions are never reused after a delete.
     sa.Column("next_position", sa.BigInteger, nullable=False),
     sa.Index("ix_conversations_owner_id", "owner", "id"),
 )
 
+_ITEM_ROWS = _RecordRows(
+    base.ConversationItem, key=["conversation_id", "position"], renamed={"id": "item_id"}
+)
 conversation_items = sa.Table(
     "conversation_items",
     metadata,
-    sa.Column("conversation_id", sa.Text, primary_key=True),
-    sa.Column("position", sa.BigInteger, primary_key=True),
-    sa.Column("item_id", sa.Text, nullable=False),
-    sa.Column("item", _Json, nullable=False),
-    sa.Column("created_at", sa.BigInteger, nullable=False),
+    *_ITEM_ROWS.columns(),
     # Version 3: the item's JSON in bytes, for the conversation limits and budgeted history reads.
     sa.Column("size", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ux_conversation_items_item_id", "conversation_id", "item_id", unique=True),
@@ -169,27 +184,21 @@ gateway_values = sa.Table(
 )
 
 # Also version 2: the worker registry `serve --workers N` processes share (routing/shared_registry.py).
+_WORKER_ROWS = _RecordRows(base.StoredWorker, key=["id"])
 workers = sa.Table(
     "workers",
     metadata,
-    sa.Column("id", sa.Text, primary_key=True),
-    sa.Column("url", sa.Text, nullable=False),
-    sa.Column("kind", sa.Text, nullable=False),
-    sa.Column("engine", sa.Text, nullable=False),
-    sa.Column("created_at", sa.Double, nullable=False),
+    *_WORKER_ROWS.columns(),
     sa.Index("ux_workers_url_kind", "url", "kind", unique=True),
 )
 
-worker_health = sa.Table(
-    "worker_health",
-    metadata,
-    sa.Column("key", sa.Text, primary_key=True),
-    sa.Column("healthy", sa.Boolean, nullable=False),
-    sa.Column("consecutive_failures", sa.Integer, nullable=False),
-    sa.Column("consecutive_successes", sa.Integer, nullable=False),
-    sa.Column("model_info", _Json),
-    sa.Column("updated_at", sa.Double, nullable=False),
+_HEALTH_ROWS = _RecordRows(
+    base.WorkerHealth,
+    key=["key"],
+    # INTEGER, as version 2 created them: a probe count never needs 64 bits.
+    types={"consecutive_failures": sa.Integer, "consecutive_successes": sa.Integer},
 )
+worker_health = sa.Table("worker_health", metadata, *_HEALTH_ROWS.columns())
 
 leases = sa.Table(
     "leases",
@@ -368,72 +377,14 @@ def _dialect_for(url: str, schema: str | None) -> _SQLite | _Postgres:
     raise ValueError(f"unsupported SQL storage URL scheme {parsed.drivername!r}")
 
 
-# -- rows <-> records ----------------------------------------------------------------------------
-
-
-def _response_values(r: StoredResponse) -> dict[str, Any]:
-    return {
-        "id": r.id,
-        "owner": r.owner,
-        "created_at": r.created_at,
-        "updated_at": r.updated_at,
-        "status": r.status,
-        "model": r.model,
-        "previous_response_id": r.previous_response_id,
-        "conversation_id": r.conversation_id,
-        "background": r.background,
-        "response": r.response,
-        "input_items": r.input_items,
-        "history": r.history,
-        "request": r.request,
-        "metadata": r.metadata,
-        "replay_size": replay_size(r),
-    }
-
-
-def _response_from_row(row: sa.Row[Any]) -> StoredResponse:
-    m = row._mapping
-    return StoredResponse(
-        id=m["id"],
-        owner=m["owner"],
-        created_at=int(m["created_at"]),
-        updated_at=float(m["updated_at"]),
-        status=m["status"],
-        model=m["model"],
-        response=m["response"],
-        input_items=m["input_items"],
-        history=m["history"],
-        previous_response_id=m["previous_response_id"],
-        conversation_id=m["conversation_id"],
-        background=bool(m["background"]),
-        request=m["request"],
-        metadata=m["metadata"],
-    )
-
-
-def _conversation_from_row(row: sa.Row[Any]) -> StoredConversation:
-    m = row._mapping
-    return StoredConversation(
-        id=m["id"], owner=m["owner"], created_at=int(m["created_at"]), metadata=m["metadata"]
-    )
-
-
-def _item_from_row(row: sa.Row[Any]) -> ConversationItem:
-    m = row._mapping
-    return ConversationItem(
-        id=m["item_id"],
-        conversation_id=m["conversation_id"],
-        position=int(m["position"]),
-        item=m["item"],
-        created_at=int(m["created_at"]),
-    )
+# -- the store -----------------------------------------------------------------------------------
 
 
 def _owned_conversation(conversation_id: str, owner: str) -> sa.ColumnElement[bool]:
     return sa.and_(conversations.c.id == conversation_id, conversations.c.owner == owner)
 
 
-class SqlStore:
+class SqlStore(base.Store):
     """A `Store` on SQLite or PostgreSQL, chosen by URL.
 
     Accepts `sqlite:///relative.db`, `sqlite:////absolute.db`, `postgresql://...` and
@@ -477,11 +428,8 @@ class SqlStore:
 
     # -- responses ------------------------------------------------------------------------------
 
-    async def put_response(self, response: StoredResponse) -> None:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
-        values = _response_values(response)
+    async def _put_response(self, response: base.StoredResponse) -> None:
+        values = {**_RESPONSE_ROWS.values(response), "replay_size": base.replay_size(response)}
         stmt = self._dialect.insert(responses).values(values)
         stmt = stmt.on_conflict_do_update(
             index_elements=[responses.c.id],
@@ -490,13 +438,12 @@ class SqlStore:
         async with self._write() as conn:
             await conn.execute(stmt)
 
-    async def update_response_if(self, response: StoredResponse, from_statuses: Collection[str]) -> bool:
-        if response.status not in RESPONSE_STATUSES:
-            raise ValueError(f"unknown response status {response.status!r}")
-        item_ids(response.input_items)
+    async def _update_response_if(
+        self, response: base.StoredResponse, from_statuses: Collection[str]
+    ) -> bool:
         if not from_statuses:
             return False
-        values = _response_values(response)
+        values = {**_RESPONSE_ROWS.values(response), "replay_size": base.replay_size(response)}
         del values["id"]
         stmt = (
             sa.update(responses)
@@ -517,11 +464,11 @@ class SqlStore:
             status: str | None = (await conn.execute(query)).scalar()
         return status
 
-    async def get_response(self, response_id: str, owner: str) -> StoredResponse | None:
+    async def get_response(self, response_id: str, owner: str) -> base.StoredResponse | None:
         query = sa.select(responses).where(responses.c.id == response_id, responses.c.owner == owner)
         async with self._read() as conn:
             row = (await conn.execute(query)).first()
-        return _response_from_row(row) if row is not None else None
+        return _RESPONSE_ROWS.record(row) if row is not None else None
 
     async def delete_response(self, response_id: str, owner: str) -> bool:
         async with self._write() as conn:
@@ -533,30 +480,17 @@ class SqlStore:
             await conn.execute(sa.delete(response_events).where(response_events.c.response_id == response_id))
         return True
 
-    async def list_input_items(
-        self,
-        response_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        check_page_args(limit, order)
+    async def _input_items(self, response_id: str, owner: str) -> list[dict[str, Any]] | None:
         query = sa.select(responses.c.input_items).where(
             responses.c.id == response_id, responses.c.owner == owner
         )
         async with self._read() as conn:
-            row = (await conn.execute(query)).first()
-        if row is None:
-            return None
-        return paginate(row.input_items, after=after, limit=limit, order=order)
+            items: list[dict[str, Any]] | None = (await conn.execute(query)).scalar()
+        return items
 
-    async def load_recent_chain(
-        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
-    ) -> RecentChain:
-        check_max_depth(max_depth)
-        check_budget(max_bytes)
+    async def _load_recent_chain(
+        self, response_id: str, owner: str, max_bytes: int | None, max_depth: int
+    ) -> base.RecentChain:
         # Walk the ids and sizes in one recursive query; the depth bound also ends a cycle.
         start = sa.select(
             responses.c.id,
@@ -584,26 +518,26 @@ class SqlStore:
                 ids.append(walked_id)
                 sizes.append(int(size))
             if not ids:
-                raise previous_response_not_found(response_id)
-            kept = ids[: within_budget(sizes, max_bytes)]
+                raise base.previous_response_not_found(response_id)
+            kept = ids[: base.within_budget(sizes, max_bytes)]
             rows = await conn.execute(
                 sa.select(responses).where(responses.c.id.in_(kept), responses.c.owner == owner)
             )
-            by_id = {row.id: _response_from_row(row) for row in rows}
-        chain: list[StoredResponse] = []
+            by_id = {row.id: _RESPONSE_ROWS.record(row) for row in rows}
+        chain: list[base.StoredResponse] = []
         # A response deleted between the two queries ends the walk like a missing ancestor.
         for walked_id in kept:
             if walked_id not in by_id:
                 break
             chain.append(by_id[walked_id])
         if not chain:
-            raise previous_response_not_found(response_id)
+            raise base.previous_response_not_found(response_id)
         chain.reverse()
-        return RecentChain(chain, omitted=len(kept) < len(ids))
+        return base.RecentChain(chain, omitted=len(kept) < len(ids))
 
     async def list_responses_with_status(
         self, statuses: set[str], *, background_only: bool = True
-    ) -> list[StoredResponse]:
+    ) -> list[base.StoredResponse]:
         if not statuses:
             return []
         query = sa.select(responses).where(responses.c.status.in_(sorted(statuses)))
@@ -611,14 +545,13 @@ class SqlStore:
             query = query.where(responses.c.background.is_(True))
         async with self._read() as conn:
             rows = await conn.execute(query.order_by(responses.c.created_at, responses.c.id))
-            return [_response_from_row(row) for row in rows]
+            return [_RESPONSE_ROWS.record(row) for row in rows]
 
     # -- background event log -------------------------------------------------------------------
 
-    async def append_events(self, response_id: str, events: Sequence[dict[str, Any]]) -> None:
-        numbers = sequence_numbers(events)
-        if not events:
-            return
+    async def _append_events(
+        self, response_id: str, numbers: list[int], events: Sequence[dict[str, Any]]
+    ) -> None:
         stmt = self._dialect.insert(response_events).on_conflict_do_nothing(
             index_elements=[response_events.c.response_id, response_events.c.sequence_number]
         )
@@ -642,74 +575,49 @@ class SqlStore:
 
     @staticmethod
     async def _insert_items(
-        conn: AsyncConnection,
-        conversation_id: str,
-        first_position: int,
-        ids: list[str],
-        items: Sequence[dict[str, Any]],
-        sizes: list[int],
-    ) -> list[ConversationItem]:
+        conn: AsyncConnection, conversation_id: str, first_position: int, new: base.NewItems, sizes: list[int]
+    ) -> list[base.ConversationItem]:
         now = int(time.time())
         added = [
-            ConversationItem(item_id, conversation_id, first_position + offset, item, now)
-            for offset, (item_id, item) in enumerate(zip(ids, items, strict=True))
+            base.ConversationItem(item_id, conversation_id, first_position + offset, item, now)
+            for offset, (item_id, item) in enumerate(zip(new.ids, new.items, strict=True))
         ]
         if added:
             await conn.execute(
                 sa.insert(conversation_items),
-                [
-                    {
-                        "conversation_id": a.conversation_id,
-                        "position": a.position,
-                        "item_id": a.id,
-                        "item": a.item,
-                        "created_at": a.created_at,
-                        "size": size,
-                    }
-                    for a, size in zip(added, sizes, strict=True)
-                ],
+                [{**_ITEM_ROWS.values(a), "size": size} for a, size in zip(added, sizes, strict=True)],
             )
         return added
 
-    async def create_conversation(
-        self,
-        conversation: StoredConversation,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
-    ) -> list[ConversationItem]:
-        ids = item_ids(items)
-        check_new_item_ids(ids, set())
-        sizes = item_sizes(items)
+    async def _create_conversation(
+        self, conversation: base.StoredConversation, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem]:
+        sizes = base.item_sizes(new.items)
         if limits is not None:
-            limits.check(ConversationSize(), size_of(sizes))
+            limits.check(ConversationSize(), base.size_of(sizes))
         try:
             async with self._write() as conn:
                 await conn.execute(
                     sa.insert(conversations).values(
-                        id=conversation.id,
-                        owner=conversation.owner,
-                        created_at=conversation.created_at,
-                        metadata=conversation.metadata,
-                        next_position=len(ids),
+                        **_CONVERSATION_ROWS.values(conversation), next_position=len(new.ids)
                     )
                 )
-                return await self._insert_items(conn, conversation.id, 0, ids, items, sizes)
+                return await self._insert_items(conn, conversation.id, 0, new, sizes)
         except sa.exc.IntegrityError as exc:
             raise errors.Conflict(f"Conversation '{conversation.id}' already exists.") from exc
 
-    async def get_conversation(self, conversation_id: str, owner: str) -> StoredConversation | None:
+    async def get_conversation(self, conversation_id: str, owner: str) -> base.StoredConversation | None:
         async with self._read() as conn:
             row = (
                 await conn.execute(
                     sa.select(conversations).where(_owned_conversation(conversation_id, owner))
                 )
             ).first()
-        return _conversation_from_row(row) if row is not None else None
+        return _CONVERSATION_ROWS.record(row) if row is not None else None
 
     async def update_conversation_metadata(
         self, conversation_id: str, owner: str, metadata: dict[str, Any]
-    ) -> StoredConversation | None:
+    ) -> base.StoredConversation | None:
         async with self._write() as conn:
             result = await conn.execute(
                 sa.update(conversations)
@@ -721,7 +629,7 @@ class SqlStore:
             row = (
                 await conn.execute(sa.select(conversations).where(conversations.c.id == conversation_id))
             ).one()
-        return _conversation_from_row(row)
+        return _CONVERSATION_ROWS.record(row)
 
     async def delete_conversation(self, conversation_id: str, owner: str) -> bool:
         async with self._write() as conn:
@@ -735,16 +643,10 @@ class SqlStore:
             )
         return True
 
-    async def add_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        items: Sequence[dict[str, Any]],
-        *,
-        limits: ConversationLimits | None = None,
-    ) -> list[ConversationItem] | None:
-        ids = item_ids(items)
-        sizes = item_sizes(items)
+    async def _add_conversation_items(
+        self, conversation_id: str, owner: str, new: base.NewItems, limits: ConversationLimits | None
+    ) -> list[base.ConversationItem] | None:
+        sizes = base.item_sizes(new.items)
         async with self._write() as conn:
             # The row lock (FOR UPDATE on PostgreSQL; SQLite's BEGIN IMMEDIATE holds the database
             # lock) makes concurrent appenders take turns on next_position.
@@ -757,25 +659,25 @@ class SqlStore:
             ).scalar()
             if next_position is None:
                 return None
-            if not ids:
+            if not new.ids:
                 return []
             existing = (
                 await conn.execute(
                     sa.select(conversation_items.c.item_id).where(
                         conversation_items.c.conversation_id == conversation_id,
-                        conversation_items.c.item_id.in_(ids),
+                        conversation_items.c.item_id.in_(new.ids),
                     )
                 )
             ).scalars()
-            check_new_item_ids(ids, set(existing))
+            base.check_new_item_ids(new.ids, set(existing))
             if limits is not None:
                 # Under the row lock: a racing appender waits for this commit, then counts these items.
-                limits.check(await self._size(conn, conversation_id), size_of(sizes))
-            added = await self._insert_items(conn, conversation_id, next_position, ids, items, sizes)
+                limits.check(await self._size(conn, conversation_id), base.size_of(sizes))
+            added = await self._insert_items(conn, conversation_id, next_position, new, sizes)
             await conn.execute(
                 sa.update(conversations)
                 .where(conversations.c.id == conversation_id)
-                .values(next_position=next_position + len(ids))
+                .values(next_position=next_position + len(new.ids))
             )
         return added
 
@@ -803,10 +705,9 @@ class SqlStore:
                 return None
             return await self._size(conn, conversation_id)
 
-    async def recent_conversation_items(
-        self, conversation_id: str, owner: str, *, max_bytes: int | None
-    ) -> RecentItems | None:
-        check_budget(max_bytes)
+    async def _recent_conversation_items(
+        self, conversation_id: str, owner: str, max_bytes: int | None
+    ) -> base.RecentItems | None:
         position = conversation_items.c.position
         of_conversation = conversation_items.c.conversation_id == conversation_id
         async with self._read() as conn:
@@ -821,9 +722,9 @@ class SqlStore:
                     .order_by(position.desc())
                 )
             ).all()
-            kept = newest_within((row.size for row in sized), max_bytes)
+            kept = base.newest_within((row.size for row in sized), max_bytes)
             if not kept:
-                return RecentItems([], omitted=len(sized))
+                return base.RecentItems([], omitted=len(sized))
             rows = await conn.execute(
                 sa.select(conversation_items.c.item)
                 .where(of_conversation, position >= sized[kept - 1].position, position <= sized[0].position)
@@ -831,18 +732,11 @@ class SqlStore:
             )
             items = list(rows.scalars())
         # An item deleted in between leaves a gap: it is simply not there, as it would not be later.
-        return RecentItems(items, omitted=len(sized) - kept)
+        return base.RecentItems(items, omitted=len(sized) - kept)
 
-    async def list_conversation_items(
-        self,
-        conversation_id: str,
-        owner: str,
-        *,
-        after: str | None = None,
-        limit: int = 20,
-        order: Order = "desc",
-    ) -> Page | None:
-        check_page_args(limit, order)
+    async def _list_conversation_items(
+        self, conversation_id: str, owner: str, after: str | None, limit: int, order: base.Order
+    ) -> base.Page | None:
         position = conversation_items.c.position
         query = sa.select(conversation_items.c.item).where(
             conversation_items.c.conversation_id == conversation_id
@@ -860,11 +754,11 @@ class SqlStore:
                     )
                 ).scalar()
                 if cursor is None:
-                    raise unknown_cursor(after)
+                    raise base.unknown_cursor(after)
                 query = query.where(position > cursor if order == "asc" else position < cursor)
             query = query.order_by(position.asc() if order == "asc" else position.desc()).limit(limit + 1)
             rows = list((await conn.execute(query)).scalars())
-        return make_page(rows, limit)
+        return base.make_page(rows, limit)
 
     @staticmethod
     async def _conversation_visible(conn: AsyncConnection, conversation_id: str, owner: str) -> bool:
@@ -875,7 +769,7 @@ class SqlStore:
 
     async def get_conversation_item(
         self, conversation_id: str, item_id: str, owner: str
-    ) -> ConversationItem | None:
+    ) -> base.ConversationItem | None:
         query = (
             sa.select(conversation_items)
             .join(conversations, conversations.c.id == conversation_items.c.conversation_id)
@@ -883,7 +777,7 @@ class SqlStore:
         )
         async with self._read() as conn:
             row = (await conn.execute(query)).first()
-        return _item_from_row(row) if row is not None else None
+        return _ITEM_ROWS.record(row) if row is not None else None
 
     async def delete_conversation_item(self, conversation_id: str, item_id: str, owner: str) -> bool:
         stmt = sa.delete(conversation_items).where(
@@ -959,43 +853,35 @@ class SqlStore:
 
     # -- shared worker registry -----------------------------------------------------------------
 
-    async def add_worker(self, worker: StoredWorker) -> None:
+    async def add_worker(self, worker: base.StoredWorker) -> None:
         try:
             async with self._write() as conn:
-                await conn.execute(
-                    sa.insert(workers).values(
-                        id=worker.id,
-                        url=worker.url,
-                        kind=worker.kind,
-                        engine=worker.engine,
-                        created_at=worker.created_at,
-                    )
-                )
+                await conn.execute(sa.insert(workers).values(_WORKER_ROWS.values(worker)))
         except sa.exc.IntegrityError as exc:
             raise errors.Conflict(
                 f"worker {worker.url} ({worker.kind}) is already registered", param="url"
             ) from exc
 
-    async def delete_worker(self, worker_id: str) -> StoredWorker | None:
+    async def delete_worker(self, worker_id: str) -> base.StoredWorker | None:
         async with self._write() as conn:
             row = (await conn.execute(sa.select(workers).where(workers.c.id == worker_id))).first()
             if row is None:
                 return None
             await conn.execute(sa.delete(workers).where(workers.c.id == worker_id))
-            removed = _worker_from_row(row)
+            removed = _WORKER_ROWS.record(row)
             await conn.execute(
                 sa.delete(worker_health).where(
-                    worker_health.c.key == worker_health_key(removed.kind, removed.url)
+                    worker_health.c.key == base.worker_health_key(removed.kind, removed.url)
                 )
             )
         return removed
 
-    async def list_workers(self) -> list[StoredWorker]:
+    async def list_workers(self) -> list[base.StoredWorker]:
         async with self._read() as conn:
             rows = await conn.execute(sa.select(workers).order_by(workers.c.created_at, workers.c.id))
-            return [_worker_from_row(row) for row in rows]
+            return [_WORKER_ROWS.record(row) for row in rows]
 
-    async def put_worker_health(self, health: Sequence[WorkerHealth]) -> None:
+    async def put_worker_health(self, health: Sequence[base.WorkerHealth]) -> None:
         if not health:
             return
         stmt = self._dialect.insert(worker_health)
@@ -1003,34 +889,13 @@ class SqlStore:
             index_elements=[worker_health.c.key],
             set_={c.name: stmt.excluded[c.name] for c in worker_health.columns if c.name != "key"},
         )
-        rows = [
-            {
-                "key": h.key,
-                "healthy": h.healthy,
-                "consecutive_failures": h.consecutive_failures,
-                "consecutive_successes": h.consecutive_successes,
-                "model_info": h.model_info,
-                "updated_at": h.updated_at,
-            }
-            for h in health
-        ]
         async with self._write() as conn:
-            await conn.execute(stmt, rows)
+            await conn.execute(stmt, [_HEALTH_ROWS.values(h) for h in health])
 
-    async def list_worker_health(self) -> list[WorkerHealth]:
+    async def list_worker_health(self) -> list[base.WorkerHealth]:
         async with self._read() as conn:
             rows = await conn.execute(sa.select(worker_health))
-            return [
-                WorkerHealth(
-                    key=m["key"],
-                    healthy=bool(m["healthy"]),
-                    consecutive_failures=int(m["consecutive_failures"]),
-                    consecutive_successes=int(m["consecutive_successes"]),
-                    model_info=m["model_info"],
-                    updated_at=float(m["updated_at"]),
-                )
-                for m in (row._mapping for row in rows)
-            ]
+            return [_HEALTH_ROWS.record(row) for row in rows]
 
     async def acquire_lease(self, name: str, owner: str, ttl: float, now: float) -> bool:
         # One upsert that only overwrites an expired lease or our own: of two processes racing for a
@@ -1049,10 +914,3 @@ class SqlStore:
     async def release_lease(self, name: str, owner: str) -> None:
         async with self._write() as conn:
             await conn.execute(sa.delete(leases).where(leases.c.name == name, leases.c.owner == owner))
-
-
-def _worker_from_row(row: sa.Row[Any]) -> StoredWorker:
-    m = row._mapping
-    return StoredWorker(
-        id=m["id"], url=m["url"], kind=m["kind"], engine=m["engine"], created_at=float(m["created_at"])
-    )
