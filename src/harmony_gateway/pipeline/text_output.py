@@ -37,7 +37,6 @@ from ..harmony.text_events import (
 from ..harmony.text_parser import ParserStats
 from .context import GatewayState, PreparedRequest
 from .detokenize import IncrementalDetokenizer
-from .output_parsers import ParserChain
 from .parse_output import CONTENT, REASONING_TEXT, TOOL_ARGS, TOOL_OPEN, ChatChoice, StopScanner
 
 
@@ -306,7 +305,6 @@ def text_parser_stats(choices: list[Any]) -> list[ParserStats]:
 
 
 __all__ = [
-    "OutputSpec",
     "TextChoiceOutput",
     "TextToolCall",
     "logprob_entry",
