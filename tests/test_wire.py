@@ -7,6 +7,8 @@ import orjson
 import pytest
 
 from harmony_gateway.errors import (
+    Conflict,
+    InternalError,
     InvalidRequest,
     NoHealthyWorker,
     Overloaded,
@@ -17,7 +19,7 @@ from harmony_gateway.errors import (
 )
 from harmony_gateway.pipeline.context import RequestContext
 from harmony_gateway.surfaces.table import SURFACES, route_map
-from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES
+from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES, error_headers
 
 INTERNAL = {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
 
@@ -187,3 +189,27 @@ def test_the_context_frames_errors_on_its_wire_from_the_framers_numbering() -> N
     assert ctx.cut_frame(exc) == RESPONSES.stream_error(exc, 3)
     plain = RequestContext(request_id="r", route="chat")
     assert plain.wire is OPENAI and plain.error_frame(exc) == OPENAI.stream_error(exc, 0)
+
+
+# -- the headers of an error response ---------------------------------------------------------------------
+def test_a_permanent_client_error_tells_the_sdks_not_to_retry() -> None:
+    for exc in (Conflict("item already in the conversation"), InvalidRequest("bad"), PayloadTooLarge("big")):
+        assert error_headers(OPENAI, exc, "r")["x-should-retry"] == "false"
+        assert error_headers(ANTHROPIC, exc, "r")["x-should-retry"] == "false"
+
+
+def test_an_error_that_says_when_to_come_back_may_be_retried() -> None:
+    running = Conflict("previous response still running", retry_after=1.0)
+    headers = error_headers(OPENAI, running, "r")
+    assert "x-should-retry" not in headers and headers["retry-after"] == "1"
+    limited = error_headers(OPENAI, RateLimited("slow down", retry_after=7.4), "r")
+    assert "x-should-retry" not in limited
+    assert (limited["retry-after"], limited["retry-after-ms"]) == ("7", "7400")
+    assert error_headers(OPENAI, NoHealthyWorker("none"), "r")["retry-after"] == "1"
+
+
+def test_a_gateway_bug_is_not_retried_and_names_its_request() -> None:
+    headers = error_headers(ANTHROPIC, InternalError("internal error (request id r)"), "r")
+    assert headers["x-should-retry"] == "false"
+    assert headers["request-id"] == headers["x-request-id"] == "r"
+    assert error_headers(OPENAI, InternalError("x"), "r") == {"x-request-id": "r", "x-should-retry": "false"}

@@ -45,6 +45,11 @@ class TaskSupervisor:
         """Tasks spawned here that have not ended yet."""
         return len(self._tasks)
 
+    @property
+    def closed(self) -> bool:
+        """`aclose()` has begun: `spawn` refuses new tasks."""
+        return self._closed
+
     def spawn(self, coro: Coroutine[Any, Any, T], *, name: str, awaited: bool = False) -> asyncio.Task[T]:
         """Run `coro` as a task named `name` (the name is in the failure log line). `awaited`: the
         task's result is awaited by the code that uses it, which handles its exception, so a failure

@@ -138,9 +138,6 @@ ANTHROPIC = Wire(
 
 
 # -- the headers of an error response -------------------------------------------------------------------------
-#: Client errors a retry can fix (a slow body, a conflict that clears, a limit that refills): every other
-#: 4xx, and 501, tells the SDKs not to retry (`x-should-retry: false`).
-_RETRYABLE_CLIENT_ERRORS = frozenset({408, 409, 429})
 #: Statuses whose error says when to come back even without its own `retry_after`.
 _COME_BACK = frozenset({429, 503})
 
@@ -155,10 +152,12 @@ def error_headers(wire: Wire, exc: GatewayError, request_id: str) -> dict[str, s
         headers["retry-after-ms"] = str(int(exc.retry_after * 1000))
     elif exc.status_code in _COME_BACK:
         headers["retry-after"] = "1"
+    # A client error does not heal on retry unless it says when to come back (a limit that refills, a
+    # response still running), nor does a gateway bug.
     if (
-        (exc.status_code < 500 and exc.status_code not in _RETRYABLE_CLIENT_ERRORS)
+        (exc.status_code < 500 and exc.status_code != 429 and exc.retry_after is None)
         or exc.status_code == 501
-        or isinstance(exc, InternalError)  # a gateway bug does not heal on retry
+        or isinstance(exc, InternalError)
     ):
         headers["x-should-retry"] = "false"
     if isinstance(exc, RequestTimeout | PayloadTooLarge):

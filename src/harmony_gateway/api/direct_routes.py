@@ -1,7 +1,7 @@
 """The generating routes called straight from the ASGI stack, past FastAPI's router.
 
-A generating POST (`/v1/chat/completions`, `/v1/responses`, `/v1/messages`, `/v1/completions`,
-`/generate`) takes a `Request` and parses its own body, so FastAPI's route matching, dependency solving
+A generating POST (a row of the surface table, `surfaces/table.py`) takes a `Request` and parses its own
+body, so FastAPI's route matching, dependency solving
 and the two exit stacks it opens per request do nothing for it; they cost about 7 % of a non-stream
 request's CPU. `DirectRoutes` calls those endpoints itself, with the app's exception handlers, as the
 innermost middleware (admission, rate limits, body limits and request ids still apply). The routes stay

@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from ..errors import AuthenticationFailed, GatewayError, InvalidRequest, NoHealthyWorker, is_failure
+from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, is_failure
 from ..observability import tracing
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
@@ -24,7 +24,7 @@ from ..traffic.middleware import DECODED_BODY, REQUEST_CONTEXT
 from ..types.limits import LOOP_BODY_BYTES
 from ..wire import OPENAI, Wire
 from .coalesce import coalesce
-from .error_responses import param_from_loc
+from .error_responses import param_from_loc, validation_error_to_invalid
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -199,12 +199,15 @@ def sse_response(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> St
 
 async def run_logged(ctx: RequestContext, coro: Any) -> Any:
     """`coro`'s result; a failure (an unexpected one too, as a 500) is recorded and logged as the
-    request's end before it propagates to the error handlers."""
+    request's end, with the status its wire answers (Anthropic's 529 for an overloaded gateway), before
+    it propagates to the error handlers."""
     try:
         return await coro
     except BaseException as exc:
         if is_failure(exc):
-            ctx.status = exc.status_code if isinstance(exc, GatewayError) else 500
+            if isinstance(exc, ValidationError):
+                exc = validation_error_to_invalid(exc)
+            ctx.status = ctx.wire.error_response(exc)[0]
             finish_request(ctx)
         raise
 
@@ -216,6 +219,16 @@ async def serve_surface(request: Request, surface: Surface) -> Response:
     `prompt_fields` are logged only with --log-prompts."""
     state = gateway(request)
     ctx = new_context(request, surface.name, state, wire=surface.wire)
+    result = await run_logged(ctx, _planned_answer(request, state, surface, ctx))
+    if isinstance(result, (dict, list)):
+        finish_request(ctx)
+        return json_response(result, ctx)
+    return sse_response(result, ctx)
+
+
+async def _planned_answer(
+    request: Request, state: GatewayState, surface: Surface, ctx: RequestContext
+) -> Any:
     body = await json_body(request)
     if state.settings.log_prompts:
         for field in surface.prompt_fields:
@@ -223,15 +236,7 @@ async def serve_surface(request: Request, surface: Surface) -> Response:
                 ctx.log_extra[field] = body[field]
                 tracing.annotate_prompt(field, body[field])
     validated = await validate_body(surface.request, body, request)
-    result = await run_logged(ctx, _planned_answer(state, surface, validated, ctx))
-    if isinstance(result, (dict, list)):
-        finish_request(ctx)
-        return json_response(result, ctx)
-    return sse_response(result, ctx)
-
-
-async def _planned_answer(state: GatewayState, surface: Surface, request: Any, ctx: RequestContext) -> Any:
-    return await answer(ctx, await surface.plan(state, request, ctx))
+    return await answer(ctx, await surface.plan(state, validated, ctx))
 
 
 def surface_endpoint(surface: Surface) -> Callable[[Request], Awaitable[Response]]:

@@ -1,11 +1,11 @@
 """Stage 5, parse, for output that is text rather than Harmony tokens: `TextChoiceOutput`, the sibling of
-`parse_output.ChoiceOutput` that `run.py` uses when `PreparedRequest.output_adapter` is set.
+`parse_output.ChoiceOutput` that the surfaces' plans use when `PreparedRequest.output_adapter` is set.
 
 Two sources feed it: token ids from a gRPC engine serving a non-Harmony model (detokenized
 incrementally, never splitting a UTF-8 character), and text from an HTTP upstream (`EngineChunk.text`,
 plus anything the upstream parsed itself in `upstream_delta`). The text runs through the model's
 `ParserChain` (reasoning parser, then tool-call parser; or the text-level Harmony parser) and comes
-out as the same chat deltas `ChoiceOutput` produces, so `respond.py` serves both:
+out as the same chat deltas `ChoiceOutput` produces, so every surface's framer serves both:
 
     (CONTENT, text) | (REASONING_TEXT, text) | (TOOL_OPEN, call_index, call_id, name) | (TOOL_ARGS, call_index, text)
 

@@ -148,7 +148,7 @@ class Ticket:
     def charge_started(self) -> None:
         """The response is starting: charge what the request used so far (its prompt), off the send path."""
         limit, owed = self._owed()
-        if owed > 0:
+        if owed > 0 and not self._control.tasks.closed:  # after shutdown, nothing is charged any more
             self.charged += owed
             self._control.tasks.spawn(self._charge(limit, owed), name="traffic-charge")
 

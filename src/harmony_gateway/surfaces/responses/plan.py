@@ -389,6 +389,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
                 "continue from it once it has finished",
                 param="previous_response_id",
                 code="previous_response_in_progress",
+                retry_after=1.0,  # the one conflict that clears by itself: SDKs may retry it
             )
         # Inherited along the chain, so it survives the oldest ancestors being left unread.
         chain_root = chain[-1].metadata.get(ROOT_KEY) or chain[0].id
