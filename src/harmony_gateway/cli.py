@@ -905,10 +905,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if problem:
         print(f"harmony-gateway: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    from .harmony.encoding import VocabularyUnavailable, get_encoding
+    from .app import load_vocabularies
+    from .harmony.encoding import VocabularyUnavailable
 
     try:
-        get_encoding()  # fail fast, before binding the port
+        load_vocabularies()  # fail fast, before binding the port
     except VocabularyUnavailable as exc:
         print(f"harmony-gateway: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
