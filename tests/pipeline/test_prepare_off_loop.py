@@ -12,10 +12,11 @@ import gc
 import time
 
 from harmony_gateway.engines.base import ModelInfo
+from harmony_gateway.pipeline import prepare
 from harmony_gateway.pipeline.prepare import prepare_chat
 from harmony_gateway.routing.fleet import ModelGroup
 from harmony_gateway.types.chat import ChatCompletionRequest
-from tests.harmony.test_render import MODEL, gateway_state
+from tests.harmony.test_render import MODEL, gateway_state, model_group
 
 MANY = 4000
 #: A loaded 2-core machine schedules a beat late by a few switch intervals (5 ms each); a request
@@ -63,3 +64,28 @@ async def test_a_history_of_many_tool_calls_is_prepared_off_the_loop() -> None:
     finally:
         gc.unfreeze()
     assert gap < STALL_BOUND, gap
+
+
+async def test_a_short_history_after_a_new_prefix_is_rendered_on_the_loop(monkeypatch) -> None:
+    # A burst with a new system prompt (the first requests after a start): each request renders the
+    # prefix in a worker thread (the first one renders it, the others find it cached), then its few
+    # short messages on the loop, not in a thread call of their own (a pool of threads, each with a
+    # heap, for microseconds of work).
+    state = gateway_state()
+    history_calls = []
+
+    async def offloaded(fn: object, items: list[object]) -> list[object]:
+        history_calls.append(items)
+        return [fn(item) for item in items]  # type: ignore[operator]
+
+    monkeypatch.setattr(prepare, "map_off_loop", offloaded)
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": "A new prompt."}, {"role": "user", "content": "hi"}],
+        }
+    )
+    group = model_group()
+    prepared = await asyncio.gather(*(prepare_chat(state, request, group, owner="") for _ in range(8)))
+    assert len({tuple(p.input_ids) for p in prepared}) == 1
+    assert history_calls == []

@@ -451,7 +451,8 @@ async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: lis
     """`renderer.render_for_completion(prefix, history)`: on the loop when `renders_on_loop` (~10 µs),
     else in threads (openai-harmony renders a fresh system+developer prefix in about a millisecond, and
     a long history costs its length in encoding), the history in batches (`offload`), so one request
-    never stalls the others."""
+    never stalls the others. A short history after a fresh prefix stays on the loop: a burst of
+    requests with a new system prompt does not fill the thread pool."""
     renderer = state.renderer
     if renders_on_loop(renderer, prefix, history):
         return renderer.render_for_completion(prefix, history)
@@ -459,6 +460,8 @@ async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: lis
         tokens = list(renderer.render_prefix(prefix))
     else:
         tokens = list(await anyio.to_thread.run_sync(renderer.render_prefix, prefix))
+        if renders_on_loop(renderer, prefix, history):  # the prefix is cached now
+            return renderer.render_for_completion(prefix, history)
     for rendered in await map_off_loop(renderer.render_message, history):
         tokens += rendered
     tokens += assistant_header()
