@@ -11,6 +11,8 @@ import asyncio
 import gc
 import time
 
+import anyio.to_thread
+
 from harmony_gateway.engines.base import ModelInfo
 from harmony_gateway.pipeline import prepare
 from harmony_gateway.pipeline.prepare import prepare_chat
@@ -66,13 +68,20 @@ async def test_a_history_of_many_tool_calls_is_prepared_off_the_loop() -> None:
     assert gap < STALL_BOUND, gap
 
 
-async def test_a_short_history_after_a_new_prefix_is_rendered_on_the_loop(monkeypatch) -> None:
-    # A burst with a new system prompt (the first requests after a start): each request renders the
-    # prefix in a worker thread (the first one renders it, the others find it cached), then its few
-    # short messages on the loop, not in a thread call of their own (a pool of threads, each with a
-    # heap, for microseconds of work).
+async def test_a_burst_with_a_new_prefix_takes_one_worker_thread(monkeypatch) -> None:
+    # A burst with a new system prompt (the first requests after a start): one thread call renders the
+    # prefix for all of them, and their few short messages are rendered on the loop, not in thread
+    # calls of their own (a pool of threads, each with a heap, for microseconds of work).
     state = gateway_state()
     history_calls = []
+    thread_calls = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(fn: object, *args: object) -> object:
+        thread_calls.append(fn)
+        return await run_sync(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
 
     async def offloaded(fn: object, items: list[object]) -> list[object]:
         history_calls.append(items)
@@ -89,3 +98,4 @@ async def test_a_short_history_after_a_new_prefix_is_rendered_on_the_loop(monkey
     prepared = await asyncio.gather(*(prepare_chat(state, request, group, owner="") for _ in range(8)))
     assert len({tuple(p.input_ids) for p in prepared}) == 1
     assert history_calls == []
+    assert len(thread_calls) == 1
