@@ -27,7 +27,7 @@ import contextvars
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -499,7 +499,8 @@ class _ResponseWatch:
         self.finished = False
         self.streaming = False
 
-    async def __call__(self, message: Message) -> None:
+    def __call__(self, message: Message) -> Awaitable[None]:
+        # Hands on `send`'s own awaitable: no frame of its own for every streamed piece.
         kind = message["type"]
         if kind == "http.response.start":
             self.started = True
@@ -519,7 +520,7 @@ class _ResponseWatch:
             if not message.get("more_body", False):
                 self.finished = True
                 self._end_span()
-        await self._send(message)
+        return self._send(message)
 
     def _follow_sequence(self, body: bytes) -> None:
         at = body.rfind(b'"sequence_number":')
