@@ -11,11 +11,14 @@ import asyncio
 import gc
 import time
 
+import anyio.to_thread
+
 from harmony_gateway.engines.base import ModelInfo
+from harmony_gateway.pipeline import prepare
 from harmony_gateway.routing.fleet import ModelGroup
 from harmony_gateway.surfaces.chat.mapper import prepare_chat
 from harmony_gateway.surfaces.chat.types import ChatCompletionRequest
-from tests.harmony.test_render import MODEL, gateway_state
+from tests.harmony.test_render import MODEL, gateway_state, model_group
 
 MANY = 4000
 #: A loaded 2-core machine schedules a beat late by a few switch intervals (5 ms each); a request
@@ -63,3 +66,36 @@ async def test_a_history_of_many_tool_calls_is_prepared_off_the_loop() -> None:
     finally:
         gc.unfreeze()
     assert gap < STALL_BOUND, gap
+
+
+async def test_a_burst_with_a_new_prefix_takes_one_worker_thread(monkeypatch) -> None:
+    # A burst with a new system prompt (the first requests after a start): one thread call renders the
+    # prefix for all of them, and their few short messages are rendered on the loop, not in thread
+    # calls of their own (a pool of threads, each with a heap, for microseconds of work).
+    state = gateway_state()
+    history_calls = []
+    thread_calls = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(fn: object, *args: object) -> object:
+        thread_calls.append(fn)
+        return await run_sync(fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+
+    async def offloaded(fn: object, items: list[object]) -> list[object]:
+        history_calls.append(items)
+        return [fn(item) for item in items]  # type: ignore[operator]
+
+    monkeypatch.setattr(prepare, "map_off_loop", offloaded)
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": MODEL,
+            "messages": [{"role": "system", "content": "A new prompt."}, {"role": "user", "content": "hi"}],
+        }
+    )
+    group = model_group()
+    prepared = await asyncio.gather(*(prepare_chat(state, request, group, owner="") for _ in range(8)))
+    assert len({tuple(p.input_ids) for p in prepared}) == 1
+    assert history_calls == []
+    assert len(thread_calls) == 1

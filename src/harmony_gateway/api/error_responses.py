@@ -10,7 +10,7 @@ Every response carries `x-request-id` (and `request-id` on Anthropic's wire).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import orjson
@@ -152,13 +152,14 @@ class UnexpectedErrorMiddleware(HttpMiddleware):
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = ended = False
 
-        async def tracking_send(message: Message) -> None:
+        # Hands on `send`'s own awaitable: no frame of its own for every streamed piece.
+        def tracking_send(message: Message) -> Awaitable[None]:
             nonlocal started, ended
             if message["type"] == "http.response.start":
                 started = True
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
-            await send(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, tracking_send)

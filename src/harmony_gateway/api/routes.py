@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -10,7 +11,7 @@ import anyio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, is_failure
 from ..observability import tracing
@@ -23,7 +24,6 @@ from ..surfaces.table import SURFACES, Surface
 from ..traffic.middleware import DECODED_BODY, REQUEST_CONTEXT
 from ..types.limits import LOOP_BODY_BYTES
 from ..wire import OPENAI, Wire
-from .coalesce import coalesce
 from .error_responses import param_from_loc, validation_error_to_invalid
 
 router = APIRouter()
@@ -157,44 +157,81 @@ def context_headers(ctx: RequestContext) -> dict[str, str]:
     return headers
 
 
-async def _logged(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> AsyncGenerator[bytes, None]:
-    try:
-        async for piece in stream:
-            # The framer may run ahead of the writer (coalesce): what the client got is numbered here.
-            ctx.sent_sequence = ctx.next_sequence
-            yield piece
-    finally:
-        finish_request(ctx)
+class EventStreamResponse(Response):
+    """An SSE body written by one task that reads the engine, frames and writes each piece at once; the
+    request's task waits for the client to leave meanwhile. On every exit the body and the request's
+    `cleanups` are closed, shielded and bounded (Starlette never closes a body that did not start), and
+    the request is logged once.
 
+    At one engine message per token the per-message path is most of the gateway's work, so it is kept
+    short: no hand-off to another task per piece, and the writing task's own stack is shallow (every
+    frame of a task's stack is resumed and suspended again on each message). uvicorn speaks ASGI 2.3,
+    where a write to a client that left is dropped silently: the request's task, listening for
+    `http.disconnect`, cancels the writer then, which closes the body and aborts the engine request.
+    This is Starlette's `StreamingResponse` with plain asyncio in place of an anyio task group."""
 
-class ClosingStreamingResponse(StreamingResponse):
-    """A stream that closes what its request opened on every exit. Starlette never closes a body
-    iterator that did not start: under an ASGI 2.4 server a client gone before the headers went out
-    makes `send` raise first (uvicorn speaks 2.3, where the body starts and is cancelled), and the
-    engine request would then be aborted only by garbage collection. Here the body and the request's
-    `cleanups` are closed, shielded and bounded, and the request is logged once."""
+    media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncGenerator[bytes, None], ctx: RequestContext, **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(
+        self, content: AsyncGenerator[bytes, None], ctx: RequestContext, headers: dict[str, str]
+    ) -> None:
+        self.body_iterator = content
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
         self._ctx = ctx
 
+    async def _write(self, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        ctx = self._ctx
+        async for piece in self.body_iterator:
+            # What the client got is numbered here: a cut stream's error event follows it (`Wire`).
+            ctx.sent_sequence = ctx.next_sequence
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        finish_request(self._ctx)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        listener = asyncio.current_task()
+        assert listener is not None
+        listening = True
+        writer_ended = False
+
+        def end_listening(_: object) -> None:
+            nonlocal writer_ended
+            if listening:
+                writer_ended = True
+                listener.cancel()
+
+        writer = asyncio.create_task(self._write(send))
+        writer.add_done_callback(end_listening)
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                listening = False
+                writer.cancel()  # the client left
+            except asyncio.CancelledError:
+                listening = False
+                if not writer_ended or listener.uncancel() > 0:
+                    raise  # cancelled from outside (shutdown, drain): the writer stops too
+            if not writer.done():
+                await asyncio.wait((writer,))
+            if not writer.cancelled():
+                writer.result()  # the body's failure, if any
         finally:
+            listening = False
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                if not writer.done():
+                    writer.cancel()
+                    await asyncio.wait((writer,))
+                await self.body_iterator.aclose()
             await run_cleanups(self._ctx)
             finish_request(self._ctx)
 
 
-def sse_response(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> StreamingResponse:
-    return ClosingStreamingResponse(
-        _logged(coalesce(stream), ctx),
-        ctx,
-        media_type="text/event-stream",
-        headers={**SSE_HEADERS, **context_headers(ctx)},
-    )
+def sse_response(stream: AsyncGenerator[bytes, None], ctx: RequestContext) -> Response:
+    return EventStreamResponse(stream, ctx, {**SSE_HEADERS, **context_headers(ctx)})
 
 
 async def run_logged(ctx: RequestContext, coro: Any) -> Any:

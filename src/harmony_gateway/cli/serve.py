@@ -665,11 +665,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     if problem:
         print(f"harmony-gateway: {problem}", file=sys.stderr)
         raise SystemExit(2)
-    # lazy: loads the openai_harmony library; the other commands and --help never need it
-    from ..harmony.encoding import VocabularyUnavailable, get_encoding
+    # lazy: loads the serving stack and the vocabularies; the other commands and --help never need them
+    from ..app import load_vocabularies
+    from ..harmony.encoding import VocabularyUnavailable
 
     try:
-        get_encoding()  # fail fast, before binding the port
+        load_vocabularies()  # fail fast, before binding the port
     except VocabularyUnavailable as exc:
         print(f"harmony-gateway: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

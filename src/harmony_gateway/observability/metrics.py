@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, NamedTuple, TypeVar, overload
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -240,6 +240,7 @@ class GatewayMetrics(MetricSet):
     def __init__(self, workers: Callable[[], Iterable[ObservedWorker]] | None = None) -> None:
         super().__init__(CollectorRegistry())
         r = self.registry
+        self._series: dict[tuple[str, str, int], _RequestSeries] = {}
         self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
         self._fleet_gauges: _FleetGauges | None = None
@@ -259,17 +260,28 @@ class GatewayMetrics(MetricSet):
         now = time.perf_counter() if now is None else now
         model = ctx.model or "unknown"
         route = ctx.route
-        self.requests.labels(route, model, str(ctx.status)).inc()
-        self.latency.labels(route, model).observe(now - ctx.started)
+        series = self._series.get((route, model, ctx.status))
+        if series is None:
+            # `labels()` costs a few microseconds a call; a request records up to six series.
+            series = self._series[(route, model, ctx.status)] = _RequestSeries(
+                self.requests.labels(route, model, str(ctx.status)),
+                self.latency.labels(route, model),
+                self.prompt_tokens.labels(model),
+                self.completion_tokens.labels(model),
+                self.ttft.labels(route, model),
+                self.itl.labels(route, model),
+            )
+        series.requests.inc()
+        series.latency.observe(now - ctx.started)
         if ctx.prompt_tokens:
-            self.prompt_tokens.labels(model).inc(ctx.prompt_tokens)
+            series.prompt_tokens.inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
-            self.completion_tokens.labels(model).inc(ctx.completion_tokens)
+            series.completion_tokens.inc(ctx.completion_tokens)
         first = ctx.first_token_at
         if first is not None:
-            self.ttft.labels(route, model).observe(first - ctx.started)
+            series.ttft.observe(first - ctx.started)
             if ctx.completion_tokens > 1:
-                self.itl.labels(route, model).observe((now - first) / (ctx.completion_tokens - 1))
+                series.itl.observe((now - first) / (ctx.completion_tokens - 1))
         if ctx.log_extra.get("reasoning_budget_exceeded"):
             self.harmony_reasoning_budget_exceeded.labels(route, model).inc()
         if ctx.parsers:
@@ -389,6 +401,17 @@ def reap_dead_processes(directory: str) -> None:
             mark_process_dead(int(pid), directory)  # type: ignore[no-untyped-call]
         except PermissionError:
             pass  # alive, another user's
+
+
+class _RequestSeries(NamedTuple):
+    """The labelled series one request records, for one (route, model, status)."""
+
+    requests: Counter
+    latency: Histogram
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    ttft: Histogram
+    itl: Histogram
 
 
 def channel_counts(parsers: Iterable[ObservedParser]) -> dict[str, int]:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 
 import anyio
 
@@ -40,26 +40,56 @@ async def _abort(worker: Worker, request_id: str, timeout: float) -> None:
             log.debug("abort of %s on %s failed: %s", request_id, worker.public_url, exc)
 
 
-async def _first_then_rest(
+def _first_then_rest(
     stream: AsyncGenerator[EngineChunk, None], first_token_timeout: float, url: str
 ) -> AsyncGenerator[EngineChunk, None]:
-    # Closed on every exit: a consumer that stops leaves `stream` at a yield, and only aclose() runs the
-    # engine client's cleanup (cancelling its gRPC call) before the garbage collector gets to it.
-    async with contextlib.aclosing(stream):
+    """`stream`, its first chunk awaited within `first_token_timeout` (else UpstreamTimeout); closing it
+    closes `stream`, which cancels the engine client's gRPC call then, not whenever the garbage
+    collector finalises it."""
+    return _FirstThenRest(stream, first_token_timeout, url)  # type: ignore[return-value]
+
+
+class _FirstThenRest:
+    """After the first chunk each `__anext__` is the engine stream's own awaitable: no generator layer
+    of its own on the per-message path (a layer costs a suspension and an exception per message)."""
+
+    __slots__ = ("_first_token_timeout", "_started", "_stream", "_url")
+
+    def __init__(
+        self, stream: AsyncGenerator[EngineChunk, None], first_token_timeout: float, url: str
+    ) -> None:
+        self._stream = stream
+        self._first_token_timeout = first_token_timeout
+        self._url = url
+        self._started = False
+
+    def __aiter__(self) -> _FirstThenRest:
+        return self
+
+    def __anext__(self) -> Awaitable[EngineChunk]:
+        if self._started:
+            return self._stream.__anext__()
+        self._started = True
+        return self._first()
+
+    async def _first(self) -> EngineChunk:
         try:
             # The engine span is current while the call starts: its trace context goes in the metadata.
-            with tracing.span("gateway.engine", **{"server.address": url}):
-                async with asyncio.timeout(first_token_timeout):
-                    first = await anext(stream)
-        except StopAsyncIteration:
-            return
+            with tracing.span("gateway.engine", **{"server.address": self._url}):
+                async with asyncio.timeout(self._first_token_timeout):
+                    return await anext(self._stream)
         except TimeoutError:
+            await self._stream.aclose()
             raise UpstreamTimeout(
-                f"engine at {url} sent no output within {first_token_timeout:g} s"
+                f"engine at {self._url} sent no output within {self._first_token_timeout:g} s"
             ) from None
-        yield first
-        async for chunk in stream:
-            yield chunk
+        except BaseException:
+            await self._stream.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        self._started = True
+        await self._stream.aclose()
 
 
 async def _drain_prefill(worker: Worker, request: GenerateRequest) -> EngineChunk | None:

@@ -120,7 +120,7 @@ async def open_generation(
     except BaseException:
         await chunks.aclose()
         raise
-    return _prepend(first, chunks)
+    return _Prepended(first, chunks)
 
 
 async def _empty() -> AsyncIterator[EngineChunk]:
@@ -128,12 +128,34 @@ async def _empty() -> AsyncIterator[EngineChunk]:
     yield  # an async generator with nothing to give
 
 
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    """`first`, then `rest`; closing it closes `rest`."""
-    async with contextlib.aclosing(rest):  # type: ignore[type-var]
-        yield first
-        async for item in rest:
-            yield item
+class _Prepended(Generic[T]):
+    """`first`, then `rest`; closing it closes `rest`. It adds no frame to the per-item path: after
+    `first`, each `__anext__` is `rest`'s own awaitable (an async generator layer here would cost a
+    suspension and an exception per engine message)."""
+
+    __slots__ = ("_first", "_pending", "_rest")
+
+    def __init__(self, first: T, rest: AsyncGenerator[T, None]) -> None:
+        self._first = first
+        self._pending = True
+        self._rest = rest
+
+    def __aiter__(self) -> _Prepended[T]:
+        return self
+
+    def __anext__(self) -> Awaitable[T]:
+        if self._pending:
+            self._pending = False
+            return _ready(self._first)
+        return self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        self._pending = False
+        await self._rest.aclose()
+
+
+async def _ready(value: T) -> T:
+    return value
 
 
 async def drive(

@@ -166,7 +166,10 @@ class ChoiceOutput(ChatChoice):
     def feed(self, chunk: EngineChunk) -> list[tuple[Any, ...]]:
         if self.finished:
             return []
-        events = parse_chunk(self.parser, chunk)
+        if chunk.finished:
+            events = parse_chunk(self.parser, chunk)
+        else:  # the per-token case, without parse_chunk's closing checks
+            events = self.parser.feed(chunk.token_ids) if chunk.token_ids else []
         take_counts(self, chunk)
         if chunk.finished:
             self.engine_finish = chunk.finish_reason

@@ -7,11 +7,13 @@ Raises `InvalidRequest` naming the offending field.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import json
 import time
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -343,18 +345,48 @@ def renders_on_loop(renderer: PromptRenderer, prefix: PromptPrefix, messages: Se
     )
 
 
+#: Prefix renders under way in worker threads, per renderer, by prefix key.
+_prefix_renders: weakref.WeakKeyDictionary[PromptRenderer, dict[Hashable, asyncio.Future[list[int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def render_prefix_once(renderer: PromptRenderer, prefix: PromptPrefix) -> list[int]:
+    """`renderer.render_prefix(prefix)` in a worker thread, one for all the requests that miss the cache
+    together: a burst with a new system prompt (the first requests after a start, an agent's parallel
+    calls) took a thread each (forty at c=64), which openai-harmony's renders then ran one after the
+    other under the GIL. A request that leaves does not cancel the render the others wait for."""
+    pending = _prefix_renders.setdefault(renderer, {})
+    key = prefix.key  # computable: `has_prefix` computed it first
+    render = pending.get(key)
+    if render is None:
+        render = asyncio.ensure_future(anyio.to_thread.run_sync(renderer.render_prefix, prefix))
+        pending[key] = render
+
+        def settled(done: asyncio.Future[list[int]]) -> None:
+            pending.pop(key, None)
+            if not done.cancelled():
+                done.exception()  # retrieved: the waiters, if any are left, raise it
+
+        render.add_done_callback(settled)
+    return await asyncio.shield(render)
+
+
 async def render_harmony(state: GatewayState, prefix: PromptPrefix, history: list[Msg]) -> list[int]:
     """`renderer.render_for_completion(prefix, history)`: on the loop when `renders_on_loop` (~10 µs),
     else in threads (openai-harmony renders a fresh system+developer prefix in about a millisecond, and
     a long history costs its length in encoding), the history in batches (`offload`), so one request
-    never stalls the others."""
+    never stalls the others. A short history after a fresh prefix stays on the loop: a burst of
+    requests with a new system prompt does not fill the thread pool."""
     renderer = state.renderer
     if renders_on_loop(renderer, prefix, history):
         return renderer.render_for_completion(prefix, history)
     if renderer.has_prefix(prefix):
         tokens = list(renderer.render_prefix(prefix))
     else:
-        tokens = list(await anyio.to_thread.run_sync(renderer.render_prefix, prefix))
+        tokens = list(await render_prefix_once(renderer, prefix))
+        if renders_on_loop(renderer, prefix, history):  # the prefix is cached now
+            return renderer.render_for_completion(prefix, history)
     for rendered in await map_off_loop(renderer.render_message, history):
         tokens += rendered
     tokens += assistant_header()

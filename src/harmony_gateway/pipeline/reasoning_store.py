@@ -40,9 +40,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from ..errors import InvalidRequest
 from ..harmony import token_parser as tp
 from .context import FinishedChoice, GatewayState
@@ -71,7 +68,8 @@ class ReasoningVault:
     in `store` under (tenant, tool call id). Everything it makes is worthless to another tenant's vault."""
 
     def __init__(self, key: bytes, store: Any, *, owner: str) -> None:
-        self._aead = AESGCM(hmac.new(key, b"encrypt", hashlib.sha256).digest())
+        self._encrypt_key = hmac.new(key, b"encrypt", hashlib.sha256).digest()
+        self._aead: Any = None
         self._mac_key = hmac.new(key, b"sign", hashlib.sha256).digest()
         self._key = key
         self._store = store
@@ -83,9 +81,17 @@ class ReasoningVault:
         return hmac.new(self._key, purpose, hashlib.sha256).digest()
 
     # -- encrypted_content ------------------------------------------------------------------------
+    def _cipher(self) -> Any:
+        if self._aead is None:
+            # lazy: cryptography (~7 MB of native code) only once a reasoning item is sealed or opened
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._aead = AESGCM(self._encrypt_key)
+        return self._aead
+
     def seal(self, text: str) -> str:
         nonce = os.urandom(_NONCE)
-        blob = nonce + self._aead.encrypt(nonce, text.encode(), self._bound(_SEAL_PURPOSE))
+        blob = nonce + self._cipher().encrypt(nonce, text.encode(), self._bound(_SEAL_PURPOSE))
         return _PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
 
     def open(self, sealed: Any, *, param: str) -> str:
@@ -93,9 +99,12 @@ class ReasoningVault:
         for this tenant."""
         if not isinstance(sealed, str) or not sealed.startswith(_PREFIX):
             raise InvalidRequest("encrypted_content was not produced by this gateway", param=param)
+        cipher = self._cipher()
+        from cryptography.exceptions import InvalidTag  # lazy: loaded with the cipher just above
+
         try:
             raw = base64.urlsafe_b64decode(sealed[len(_PREFIX) :] + "=" * (-len(sealed) % 4))
-            text = self._aead.decrypt(raw[:_NONCE], raw[_NONCE:], self._bound(_SEAL_PURPOSE))
+            text: bytes = cipher.decrypt(raw[:_NONCE], raw[_NONCE:], self._bound(_SEAL_PURPOSE))
             return text.decode()
         except (InvalidTag, ValueError, binascii.Error, UnicodeDecodeError):
             raise InvalidRequest(

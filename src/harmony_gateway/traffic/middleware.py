@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -501,7 +501,8 @@ class _ResponseWatch:
         self.finished = False
         self.streaming = False
 
-    async def __call__(self, message: Message) -> None:
+    def __call__(self, message: Message) -> Awaitable[None]:
+        # Hands on `send`'s own awaitable: no frame of its own for every streamed piece.
         kind = message["type"]
         if kind == "http.response.start":
             self.started = True
@@ -518,7 +519,7 @@ class _ResponseWatch:
         elif kind == "http.response.body" and not message.get("more_body", False):
             self.finished = True
             self._end_span()
-        await self._send(message)
+        return self._send(message)
 
     def _end_span(self) -> None:
         if self._span is not None:

@@ -39,6 +39,9 @@ class ChatStreamWriter:
         self._head = DATA_FIELD + _dumps(head)[:-1] + b',"choices":['
         self._tail = (b'],"usage":null}' if include_usage else b"]}") + EVENT_END
         self._reasoning_keys = [b'"' + k.encode() + b'":' for k in reasoning_keys(reasoning_mode)]
+        # A delta chunk is `_leads[index] + delta + _delta_end`: two joins per token, nothing formatted.
+        self._leads: dict[int, bytes] = {}
+        self._delta_end = b'},"logprobs":null,"finish_reason":null}' + self._tail
 
     def role_chunk(self, index: int) -> bytes:
         return (
@@ -49,16 +52,24 @@ class ChatStreamWriter:
         )
 
     def _choice(self, index: int, delta: bytes) -> bytes:
-        return (
-            self._head
-            + b'{"index":%d,"delta":{' % index
-            + delta
-            + b'},"logprobs":null,"finish_reason":null}'
-            + self._tail
-        )
+        lead = self._leads.get(index)
+        if lead is None:
+            lead = self._leads[index] = self._head + b'{"index":%d,"delta":{' % index
+        return lead + delta + self._delta_end
+
+    def _reasoning(self, value: bytes) -> bytes:
+        keys = self._reasoning_keys
+        return keys[0] + value if len(keys) == 1 else b",".join([k + value for k in keys])
 
     def deltas(self, index: int, deltas: list[tuple[Any, ...]]) -> bytes:
         """SSE bytes for a list of deltas of one choice: one chunk per run of same-kind deltas."""
+        if len(deltas) == 1:  # one token per engine message: one text delta, one chunk
+            delta = deltas[0]
+            kind = delta[0]
+            if kind == CONTENT:
+                return self._choice(index, b'"content":' + _dumps(delta[1]))
+            if kind == REASONING_TEXT:
+                return self._choice(index, self._reasoning(_dumps(delta[1])))
         out: list[bytes] = []
         i = 0
         n = len(deltas)
@@ -73,15 +84,7 @@ class ChatStreamWriter:
                 if kind == CONTENT:
                     out.append(self._choice(index, b'"content":' + value))
                 else:
-                    # The common case is one reasoning key (`--reasoning-fields`) and one run of
-                    # reasoning per upstream read: no generator, no list to join.
-                    keys = self._reasoning_keys
-                    chunk = self._choice(
-                        index, keys[0] + value if len(keys) == 1 else b",".join([k + value for k in keys])
-                    )
-                    if j == n and not out:
-                        return chunk
-                    out.append(chunk)
+                    out.append(self._choice(index, self._reasoning(value)))
                 i = j
             elif kind == TOOL_OPEN:
                 _, call_index, call_id, name = deltas[i]
