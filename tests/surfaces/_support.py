@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 from harmony_gateway.app import build_state
 from harmony_gateway.engines.base import EngineChunk
@@ -131,3 +132,32 @@ async def answered(
     if isinstance(result, dict | list):
         return result
     return sse_events(b"".join([piece async for piece in result]))
+
+
+# -- the raw-prompt surfaces (/generate, /v1/completions) -------------------------------------------------
+#: A raw Harmony prompt, and what the engine returns of ANSWER for it: its stop token stripped (and
+#: reported as matched).
+RAW_PROMPT = "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
+RAW_OUTPUT = ANSWER.removesuffix("<|return|>")
+
+
+async def run_raw(
+    route: str,
+    request_type: type[BaseModel],
+    plan: Callable[[GatewayState, Any, RequestContext], Awaitable[Planned]],
+    prompt_field: str,
+    items: list[tuple[int, EngineChunk]],
+    fail: BaseException | None = None,
+    **body: Any,
+) -> tuple[Any, RequestContext]:
+    """A raw-prompt request (`prompt_field` holding RAW_PROMPT) planned by `plan` and answered with
+    `items`: the body or the stream's events, and the request's context."""
+    ctx = openai_context(route)
+    request = request_type.model_validate({"model": MODEL, prompt_field: RAW_PROMPT, **body})
+    planned = await plan(serving_state(), request, ctx)
+    return await answered(ctx, planned, items, fail), ctx
+
+
+def of_prompt(index: int, chunks: list[EngineChunk]) -> list[tuple[int, EngineChunk]]:
+    """Engine chunks tagged with the index of the prompt they answer (a batch's source)."""
+    return [(index, chunk) for chunk in chunks]

@@ -15,31 +15,23 @@ from tests.surfaces._support import (
     ANSWER,
     MODEL,
     PROMPT_TOKENS,
+    RAW_OUTPUT,
+    RAW_PROMPT,
     REQUEST_ID,
     Event,
-    answered,
     engine_chunks,
     harmony_ids,
-    openai_context,
-    serving_state,
+    of_prompt,
+    run_raw,
 )
 
-PROMPT = "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
-#: What the engine returns of ANSWER: its stop token is stripped (and reported as matched).
-OUTPUT = ANSWER.removesuffix("<|return|>")
+PROMPT, OUTPUT = RAW_PROMPT, RAW_OUTPUT
 
 
 async def run_completions(
     items: list[tuple[int, EngineChunk]], fail: BaseException | None = None, **body: Any
 ) -> tuple[Any, RequestContext]:
-    ctx = openai_context("completions")
-    request = CompletionRequest.model_validate({"model": MODEL, "prompt": PROMPT, **body})
-    planned = await plan_completions(serving_state(), request, ctx)
-    return await answered(ctx, planned, items, fail), ctx
-
-
-def of_prompt(index: int, chunks: list[EngineChunk]) -> list[tuple[int, EngineChunk]]:
-    return [(index, chunk) for chunk in chunks]
+    return await run_raw("completions", CompletionRequest, plan_completions, "prompt", items, fail, **body)
 
 
 def choices(events: list[Event]) -> list[tuple[int, str, str | None]]:

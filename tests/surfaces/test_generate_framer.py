@@ -14,32 +14,23 @@ from harmony_gateway.surfaces.generate.run import plan_generate
 from harmony_gateway.surfaces.generate.types import GenerateRequest
 from tests.surfaces._support import (
     ANSWER,
-    MODEL,
     PROMPT_TOKENS,
+    RAW_OUTPUT,
+    RAW_PROMPT,
     REQUEST_ID,
-    answered,
     engine_chunks,
     harmony_ids,
-    openai_context,
-    serving_state,
+    of_prompt,
+    run_raw,
 )
 
-PROMPT = "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
-#: What the engine returns of ANSWER: its stop token is stripped (and reported as matched).
-OUTPUT = ANSWER.removesuffix("<|return|>")
+PROMPT, OUTPUT = RAW_PROMPT, RAW_OUTPUT
 
 
 async def run_generate(
     items: list[tuple[int, EngineChunk]], fail: BaseException | None = None, **body: Any
 ) -> tuple[Any, RequestContext]:
-    ctx = openai_context("generate")
-    request = GenerateRequest.model_validate({"model": MODEL, "text": PROMPT, **body})
-    planned = await plan_generate(serving_state(), request, ctx)
-    return await answered(ctx, planned, items, fail), ctx
-
-
-def of_prompt(index: int, chunks: list[EngineChunk]) -> list[tuple[int, EngineChunk]]:
-    return [(index, chunk) for chunk in chunks]
+    return await run_raw("generate", GenerateRequest, plan_generate, "text", items, fail, **body)
 
 
 async def test_a_stream_sends_the_cumulative_text_and_ids_then_done() -> None:
