@@ -195,6 +195,7 @@ async def test_cancellation_propagates_without_an_error_frame_and_closes_the_sou
     assert closed.is_set()
     assert not any(call.startswith("error") for call in framer.calls)
     assert ctx.status == 200
+    assert ctx.completion_tokens == 1  # what the client got is still counted (and charged)
 
 
 async def test_a_cancelled_error_raised_by_the_source_propagates() -> None:
@@ -204,7 +205,8 @@ async def test_a_cancelled_error_raised_by_the_source_propagates() -> None:
     with pytest.raises(asyncio.CancelledError):
         await anext(body)
     assert source.closed
-    assert framer.calls == ["feed a"]
+    assert framer.calls == ["feed a", "completion_tokens"]
+    assert ctx.completion_tokens == 1
 
 
 async def test_a_consumer_that_stops_early_closes_the_source() -> None:
@@ -214,7 +216,8 @@ async def test_a_consumer_that_stops_early_closes_the_source() -> None:
     await body.aclose()
     assert source.closed
     assert source.read == ["a"]
-    assert framer.calls == ["feed a"]
+    assert framer.calls == ["feed a", "completion_tokens"]
+    assert ctx.completion_tokens == 1  # a client that leaves is charged what it got
 
 
 # -- collect ----------------------------------------------------------------------------------------
@@ -303,3 +306,18 @@ async def test_answer_builds_a_json_body_after_collecting_and_then_records_token
     assert ctx.completion_tokens == 7
     assert source.closed
     assert "tail" not in framer.calls
+
+
+async def test_a_json_request_that_fails_part_way_still_records_what_was_generated() -> None:
+    ctx, source, framer = context(), Source(["a", "b"], fail=UpstreamTimeout("slow")), RecordingFramer()
+
+    async def open_source() -> AsyncIterator[str]:
+        return source()
+
+    async def body() -> dict[str, Any]:
+        raise AssertionError("no body is built for a failed generation")
+
+    with pytest.raises(UpstreamTimeout):
+        await answer(ctx, Generation(open_source, framer, body=body))
+    assert ctx.completion_tokens == 2  # charged to the token budget though the client gets an error
+    assert source.closed

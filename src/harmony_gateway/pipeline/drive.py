@@ -9,7 +9,8 @@ wire's bytes, when every choice has stopped early (stop strings), the closing fr
 terminal error frame. The driver feeds every chunk, stops reading once the framer says so, closes the
 source on every exit (which aborts the engine request: a client that left, a failure, an early stop),
 turns a failure after the first byte into the framer's error frame, and records the request's
-completion tokens once.
+completion tokens once, a client that left or a failed JSON request included (what they used is charged
+to their token budget).
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ async def drive(
             yield out
         except BaseException as exc:  # a gateway bug or a dependency's panic, too, ends with the wire's error
             if not is_failure(exc):
+                # The client left (or the gateway is stopping): what was generated is still counted,
+                # so a stream cut on purpose is charged to its token budget.
+                ctx.completion_tokens = framer.completion_tokens()
                 raise
             if isinstance(exc, GatewayError):
                 ctx.status = exc.status_code
@@ -250,7 +254,11 @@ async def answer(ctx: RequestContext, planned: Planned) -> Any:
         if planned.close is not None:
             ctx.cleanups.append(planned.close)  # also when the stream never starts (client gone early)
         return drive(ctx, source, planned.framer, planned.head())
-    await collect(source, planned.framer)
+    try:
+        await collect(source, planned.framer)
+    except BaseException:
+        ctx.completion_tokens = planned.framer.completion_tokens()  # charged even when the body never forms
+        raise
     body = await planned.body()
     ctx.completion_tokens = planned.framer.completion_tokens()
     return body
