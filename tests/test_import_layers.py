@@ -49,11 +49,10 @@ LAYERS: dict[str, int] = {
 SIMULATOR = "sim"
 MAY_IMPORT_SIMULATOR = {"cli", SIMULATOR}
 
-# Edges that break the order in modules being reworked on other branches (the `Wire` value replaces the
-# middleware's use of `api.wire_errors`; the typed app state replaces the context's reference to the
-# background runner). Delete each entry once its edge is gone; the last test fails while one is stale.
+# Edges allowed to break the order for a while, with why (none today). The last test fails once an
+# entry's edge is gone, so the list never outlives its reason.
 ALLOWED_UPWARD_EDGES: frozenset[tuple[str, str]] = frozenset({})
-# Unmarked function-level imports in those same modules, as (importing module, imported module).
+# Unmarked function-level imports allowed for a while, as (importing module, imported module).
 ALLOWED_UNMARKED_LAZY: frozenset[tuple[str, str]] = frozenset({})
 
 LAZY_MARKER = "# lazy:"
