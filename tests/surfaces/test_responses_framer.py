@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest import mock
 
 from harmony_gateway.errors import UpstreamTimeout
 from harmony_gateway.pipeline.context import RequestContext
-from harmony_gateway.pipeline.drive import Generation, answer
-from harmony_gateway.surfaces.responses.framer import ResponsesFramer, finish_response, persist
-from harmony_gateway.surfaces.responses.output import ResponseBuilder
-from harmony_gateway.surfaces.responses.plan import prepare_responses
-from harmony_gateway.surfaces.responses.service.turns import begin, turns
+from harmony_gateway.pipeline.drive import answer
+from harmony_gateway.surfaces.responses.service import service
 from harmony_gateway.surfaces.responses.types import ResponsesRequest
 from tests.harmony.test_render import WEATHER_PARAMS
 from tests.support.responses_stream import validate_event_stream
@@ -38,38 +36,19 @@ WEATHER = {
 }
 
 
-async def planned_response(
-    request: ResponsesRequest, ctx: RequestContext, items: list[Any], fail: BaseException | None
-) -> Generation[Any]:
-    """What `service.plan_responses` plans for `request` (no tools run in the gateway, no background),
-    with the first generation opened on `items` (then `fail`) instead of dispatched to an engine."""
-    state = serving_state()
-    plan = await prepare_responses(state, request, ctx)
-    builder = ResponseBuilder(plan.envelope, stream=request.stream)
-    framer = ResponsesFramer(state, plan, builder, ctx)
-
-    async def open_turns() -> AsyncIterator[Any]:
-        if request.stream:
-            builder.start()
-        await begin(state, plan, builder)
-        return turns(state, plan, ctx, builder, source(items, fail))
-
-    async def body() -> dict[str, Any]:
-        out = finish_response(state, plan, builder, ctx)
-        await persist(state, plan, out)
-        return out
-
-    if request.stream:
-        return Generation(open_turns, framer, head=builder.take, close=plan.close_tools)
-    return Generation(open_turns, framer, body=body, close=plan.close_tools)
-
-
 async def run_response(
     items: list[Any], fail: BaseException | None = None, **body: Any
 ) -> tuple[Any, RequestContext]:
+    """A response planned by `service.plan_responses` itself, its first generation opened on `items`
+    (then `fail`) instead of dispatched to an engine."""
     ctx = openai_context("responses")
     request = ResponsesRequest.model_validate({"model": MODEL, "input": "Weather in Paris?", **body})
-    result = await answer(ctx, await planned_response(request, ctx, items, fail))
+
+    async def opened(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        return source(items, fail)
+
+    with mock.patch.object(service, "open_generation", opened):
+        result = await answer(ctx, await service.plan_responses(serving_state(), request, ctx))
     if isinstance(result, dict):
         return result, ctx
     events = sse_events(b"".join([piece async for piece in result]))
