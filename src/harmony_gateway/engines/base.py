@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from ..errors import InvalidRequest, UpstreamError
+from .kv_events import EngineLoad, KvBatch
 
 _Caught = TypeVar("_Caught", bound=BaseException)
 
@@ -203,6 +204,10 @@ class EngineCapabilities:
     tokenizer: bool = False
     #: The engine stops on EOS ids it was not sent; False means every stop id must be listed.
     implicit_stops: bool = True
+    #: Streams its KV-cache events and pushed load records (`subscribe_kv_events()`).
+    kv_events: bool = False
+    #: Answers a load poll (`loads()`: GetLoads), the fallback while no load records are pushed.
+    loads: bool = False
 
     def check_request(self, request: GenerateRequest, engine: str) -> None:
         """Raise InvalidRequest (400) naming the parameter the engine cannot honour."""
@@ -253,6 +258,16 @@ class EngineClient(Protocol):
         ...
 
     async def health(self, timeout: float) -> bool: ...
+
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+        """Only when `capabilities.kv_events`: the engine's KV-event batches from `start_sequence` (0 = the
+        current state on). Raises `KvStreamLost` when the relay cannot resume from there (the caller
+        clears what it knew and starts over from 0) and `UpstreamError` when the stream breaks."""
+        ...
+
+    async def loads(self, timeout: float) -> EngineLoad:
+        """Only when `capabilities.loads`: the engine's load now (GetLoads; data-parallel ranks summed)."""
+        ...
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         """Stream chunks for every choice; raises errors.Upstream* on failure. Cancelling the iteration

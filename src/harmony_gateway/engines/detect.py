@@ -9,7 +9,7 @@ succeeds the worker takes no traffic and later probes try again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -24,6 +24,7 @@ from .base import (
     redact_url,
 )
 from .grpc_common import GrpcEngineClient
+from .kv_events import EngineLoad, KvBatch
 from .mlx_grpc import MlxGrpcClient
 from .sglang_grpc import SglangGrpcClient
 from .tokenspeed_grpc import TokenSpeedGrpcClient
@@ -111,6 +112,18 @@ class DetectingGrpcClient:
                 f"the {inner.engine} engine at {redact_url(self.url)} cannot send its tokenizer"
             )
         return await inner.get_tokenizer(timeout=timeout)
+
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+        # Subscriptions open after the first probe, which detects the protocol.
+        if self._inner is None or not self._inner.capabilities.kv_events:
+            raise UpstreamError(f"the engine at {redact_url(self.url)} publishes no KV events")
+        return self._inner.subscribe_kv_events(start_sequence)
+
+    async def loads(self, timeout: float) -> EngineLoad:
+        inner = await self.resolve(timeout)
+        if not inner.capabilities.loads:
+            raise UpstreamError(f"the {inner.engine} engine at {redact_url(self.url)} reports no load")
+        return await inner.loads(timeout)
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[EngineChunk, None]:
         if self._inner is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -31,6 +31,7 @@ from .base import (
     redact_url,
 )
 from .grpc_errors import map_grpc_errors
+from .kv_events import EngineLoad, KvBatch
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -246,6 +247,14 @@ class GrpcEngineClient:
     async def server_info(self, timeout: float = 10.0) -> dict[str, Any]:
         """Overridden by engines whose `capabilities.server_info` is set."""
         raise UpstreamError(f"the {self.engine} engine at {self.url} has no server info")
+
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+        """Overridden by engines whose `capabilities.kv_events` is set."""
+        raise UpstreamError(f"the {self.engine} engine at {self.url} publishes no KV events")
+
+    async def loads(self, timeout: float) -> EngineLoad:
+        """Overridden by engines whose `capabilities.loads` is set."""
+        raise UpstreamError(f"the {self.engine} engine at {self.url} reports no load")
 
     async def model_info(self, timeout: float = 10.0) -> ModelInfo:
         with map_grpc_errors(self.url):

@@ -39,6 +39,7 @@ from ..errors import (
     UpstreamUnavailable,
 )
 from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, redact_url, translating_errors
+from .kv_events import EngineLoad, KvBatch
 
 APIS = ("auto", "chat", "completions")
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -192,6 +193,14 @@ class HttpUpstreamClient:
     async def get_tokenizer(self, timeout: float = 60.0) -> bytes:
         """Not declared (`capabilities.tokenizer` is False): the upstream tokenizes itself."""
         raise UpstreamError(f"the HTTP upstream at {self.url} cannot send its tokenizer")
+
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+        """Not declared (`capabilities.kv_events` is False): an OpenAI server publishes no KV events."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} publishes no KV events")
+
+    async def loads(self, timeout: float) -> EngineLoad:
+        """Not declared (`capabilities.loads` is False)."""
+        raise UpstreamError(f"the HTTP upstream at {self.url} reports no load")
 
     async def abort(self, request_id: str) -> None:
         """Nothing to send: closing the response stream aborts the upstream request."""

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
+from ..engines.kv_events import EngineLoad
 
 
 class WorkerKind(StrEnum):
@@ -30,6 +31,27 @@ class BreakerState(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+class PrefixIndex(Protocol):
+    """What routing reads of the prefix index built from a worker's KV events (`routing/kv_index.py`)."""
+
+    @property
+    def complete(self) -> bool:
+        """True while the index mirrors the engine's cache; False while it is partially known (a gap in
+        the stream, a snapshot that misses old blocks, before the first resync): policies then fall back
+        to their approximate record for this worker."""
+        ...
+
+    def matched_tokens(self, input_ids: Sequence[int], lora_name: str = "", cache_salt: str = "") -> int:
+        """Tokens of the prompt's leading full blocks that the engine holds; never changes the index
+        except to mark the matched blocks as used. Cheap to call again with the same `input_ids` object
+        for another worker (the prompt's block hashes are computed once)."""
+        ...
+
+    def __len__(self) -> int:
+        """Blocks held."""
+        ...
 
 
 _ids = itertools.count(1)
@@ -57,6 +79,15 @@ class Worker:
     engine: str = "sglang"
     #: Average seconds per generated token seen on this worker's streams (pipeline/stream_interval.py).
     token_seconds: float | None = None
+    #: The engine's last load record, pushed on its KV-event stream or polled, and when it arrived
+    #: (`time.monotonic()`); None until one arrives.
+    engine_load: EngineLoad | None = None
+    engine_load_at: float = 0.0
+    #: Set while the engine reports output silence past the wedge bound with requests in flight; a
+    #: wedged worker takes no traffic until a later record clears it.
+    wedged: bool = False
+    #: The prefix index built from the worker's KV events; None for a worker that publishes none.
+    kv_index: PrefixIndex | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -75,7 +106,7 @@ class Worker:
         the worker's own `breaker_cooldown`) have passed since it opened; `now` defaults to
         `time.monotonic()`. Policies call it with no arguments.
         """
-        if not self.healthy:
+        if not self.healthy or self.wedged:
             return False
         if self.breaker is BreakerState.OPEN:
             now = time.monotonic() if now is None else now
