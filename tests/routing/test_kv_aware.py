@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Sequence
 
 import pytest
 
@@ -14,45 +13,9 @@ from harmony_gateway.engines.kv_events import EngineLoad
 from harmony_gateway.errors import NoHealthyWorker
 from harmony_gateway.routing import KvAwarePolicy, RoutingRequest, Worker, create_policy
 
-from ._fakes import make_worker
+from ._fakes import BlockIndex, make_worker
 
-BLOCK = 4
 rng = random.Random(2024)
-
-
-class BlockIndex:
-    """Satisfies `PrefixIndex`: the whole blocks of the prompts stored on one engine, each known by the
-    hash of its tokens chained to its parent's. Counts its lookups, so a test can tell whether routing
-    read it."""
-
-    def __init__(self, *, complete: bool = True) -> None:
-        self.complete = complete
-        self.blocks: set[int] = set()
-        self.lookups = 0
-
-    @staticmethod
-    def chain(input_ids: Sequence[int]) -> list[int]:
-        hashes, parent = [], 0
-        for end in range(BLOCK, len(input_ids) + 1, BLOCK):
-            parent = hash((parent, tuple(input_ids[end - BLOCK : end])))
-            hashes.append(parent)
-        return hashes
-
-    def store(self, input_ids: Sequence[int]) -> BlockIndex:
-        self.blocks.update(self.chain(input_ids))
-        return self
-
-    def matched_tokens(self, input_ids: Sequence[int], lora_name: str = "", cache_salt: str = "") -> int:
-        self.lookups += 1
-        n = 0
-        for block in self.chain(input_ids):
-            if block not in self.blocks:
-                break
-            n += BLOCK
-        return n
-
-    def __len__(self) -> int:
-        return len(self.blocks)
 
 
 def ids(n: int) -> list[int]:
