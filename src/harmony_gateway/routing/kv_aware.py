@@ -42,7 +42,8 @@ class WorkerScore:
     worker spilled. `active` is its requests (running and waiting) and `queued_tokens` the uncached
     prompt tokens waiting ahead of this one, both from its engine's load record (`load_from="engine"`)
     plus what was sent since, or from the gateway's in-flight count (`"in_flight"`: nothing queued
-    known). `kv_usage` is its non-evictable KV share, None without a fresh record.
+    known). `kv_usage` is its KV usage (the non-evictable share when the engine reports it), None
+    without a fresh record.
     """
 
     worker: Worker
