@@ -82,6 +82,33 @@ def test_cache_aware_thresholds_reach_the_policy() -> None:
     assert "cache_threshold" in (invalid_setting(settings_from_args(args)) or "")
 
 
+def test_kv_aware_knobs_reach_the_policy() -> None:
+    from harmony_gateway.app import build_state
+    from harmony_gateway.routing import KvAwarePolicy
+
+    base = ["serve", "--worker-url", "grpc://h:1", "--policy=kv_aware"]
+    defaults = build_state(settings_from_args(build_parser().parse_args(base))).fleet._policy_factory(
+        "m", "regular"
+    )
+    assert isinstance(defaults, KvAwarePolicy)
+    assert (defaults.overlap_weight, defaults.decode_weight, defaults.load_max_age) == (1.0, 1024.0, 5.0)
+    assert (defaults.kv_pressure_threshold, defaults.temperature) == (0.9, 0.0)
+    flags = [
+        *("--kv-overlap-weight", "2", "--kv-decode-weight", "64", "--kv-load-max-age", "1.5"),
+        *("--kv-pressure-threshold", "0.8", "--kv-temperature", "0.1"),
+        *("--balance-abs-threshold", "4", "--balance-rel-threshold", "2"),
+    ]
+    settings = settings_from_args(build_parser().parse_args([*base, *flags]))
+    assert invalid_setting(settings) is None
+    policy = build_state(settings).fleet._policy_factory("m", "regular")
+    assert isinstance(policy, KvAwarePolicy)
+    assert (policy.overlap_weight, policy.decode_weight, policy.load_max_age) == (2.0, 64.0, 1.5)
+    assert (policy.kv_pressure_threshold, policy.temperature) == (0.8, 0.1)
+    assert (policy.balance_abs_threshold, policy.balance_rel_threshold) == (4, 2.0)
+    bad = build_parser().parse_args([*base, "--kv-pressure-threshold", "1.5"])
+    assert "kv_pressure_threshold" in (invalid_setting(settings_from_args(bad)) or "")
+
+
 def test_text_parser_window_flags() -> None:
     flags = ["--text-parser-window-chars", "64", "--text-parser-window-seconds", "1.5"]
     settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", *flags]))

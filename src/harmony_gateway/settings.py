@@ -53,11 +53,22 @@ class Settings:
     cache_key: str = "tokens"  # tokens | selection-text
     #: cache_aware: the share of the prompt (0-1) a cached prefix must cover to decide the worker.
     cache_threshold: float = 0.5
-    #: cache_aware: load counts as skewed (least-loaded wins) when the busiest worker has more than
-    #: `balance_abs_threshold` in-flight requests above the least loaded and more than
-    #: `balance_rel_threshold` times its count.
+    #: cache_aware, kv_aware: load counts as skewed when a worker has more than
+    #: `balance_abs_threshold` requests above the least loaded and more than `balance_rel_threshold`
+    #: times its count (cache_aware: the least loaded wins; kv_aware: the skewed worker loses its
+    #: cache affinity).
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
+    #: kv_aware (routing/kv_aware.py): the weight of prefill tokens in a worker's cost ...
+    kv_overlap_weight: float = 1.0
+    #: ... the prompt tokens one request already running or waiting on a worker weighs ...
+    kv_decode_weight: float = 1024.0
+    #: ... the age in seconds past which an engine's load record is not read ...
+    kv_load_max_age: float = 5.0
+    #: ... the KV usage (0-1) above which a worker gives up its affinity ...
+    kv_pressure_threshold: float = 0.9
+    #: ... and the softmax temperature over normalised costs (0: the least cost always wins).
+    kv_temperature: float = 0.0
     bootstrap_port: int = 8998
     #: Gateway processes sharing the port (`serve --workers N`). Above 1 they share the workers
     #: registered through the API and their health through storage (routing/shared_registry.py).
@@ -176,6 +187,16 @@ class Settings:
 
     def policy_options(self, policy: str) -> dict[str, Any]:
         """The constructor options these settings give the routing policy named `policy`."""
+        if policy == "kv_aware":
+            return {
+                "overlap_weight": self.kv_overlap_weight,
+                "decode_weight": self.kv_decode_weight,
+                "load_max_age": self.kv_load_max_age,
+                "kv_pressure_threshold": self.kv_pressure_threshold,
+                "temperature": self.kv_temperature,
+                "balance_abs_threshold": self.balance_abs_threshold,
+                "balance_rel_threshold": self.balance_rel_threshold,
+            }
         if policy != "cache_aware":
             return {}
         return {

@@ -1,14 +1,16 @@
-"""A scripted stand-in for an engine's health endpoint, and worker builders."""
+"""A scripted stand-in for an engine's health endpoint, a prefix index, and worker builders."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import anyio
 
 from harmony_gateway.routing import Worker
 
 HANG = "hang"
+#: Tokens per block of `BlockIndex`.
+BLOCK = 4
 
 
 class FakeEngine:
@@ -51,3 +53,38 @@ def make_worker(
 
 def make_workers(n: int) -> list[Worker]:
     return [make_worker(f"w{i}") for i in range(n)]
+
+
+class BlockIndex:
+    """Satisfies `PrefixIndex`: the whole blocks of the prompts stored on one engine, each known by the
+    hash of its tokens chained to its parent's. Counts its lookups, so a test can tell whether routing
+    read it."""
+
+    def __init__(self, *, complete: bool = True) -> None:
+        self.complete = complete
+        self.blocks: set[int] = set()
+        self.lookups = 0
+
+    @staticmethod
+    def chain(input_ids: Sequence[int]) -> list[int]:
+        hashes, parent = [], 0
+        for end in range(BLOCK, len(input_ids) + 1, BLOCK):
+            parent = hash((parent, tuple(input_ids[end - BLOCK : end])))
+            hashes.append(parent)
+        return hashes
+
+    def store(self, input_ids: Sequence[int]) -> BlockIndex:
+        self.blocks.update(self.chain(input_ids))
+        return self
+
+    def matched_tokens(self, input_ids: Sequence[int], lora_name: str = "", cache_salt: str = "") -> int:
+        self.lookups += 1
+        n = 0
+        for block in self.chain(input_ids):
+            if block not in self.blocks:
+                break
+            n += BLOCK
+        return n
+
+    def __len__(self) -> int:
+        return len(self.blocks)

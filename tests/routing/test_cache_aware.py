@@ -113,8 +113,8 @@ def test_eviction_keeps_each_worker_bounded() -> None:
     for _ in range(300):
         policy.select(workers, req(system + ids(rng.randrange(20, 150))))
         assert all(policy.cached_tokens(w) <= 1000 for w in workers)
-    assert held_sizes(policy._tree) == {w.id: policy.cached_tokens(w) for w in workers}
-    assert policy._tree.node_count() < 200
+    assert held_sizes(policy._routed.tree) == {w.id: policy.cached_tokens(w) for w in workers}
+    assert policy._routed.tree.node_count() < 200
 
 
 def test_eviction_drops_least_recently_used_first() -> None:
@@ -163,11 +163,11 @@ def test_removing_a_worker_drops_its_entries() -> None:
     prompts = [ids(300) for _ in range(6)]
     homes = [policy.select(workers, req(p)) for p in prompts]
     gone = homes[0]
-    nodes_before = policy._tree.node_count()
+    nodes_before = policy._routed.tree.node_count()
     policy.on_worker_removed(gone)
     assert policy.cached_tokens(gone) == 0
-    assert gone.id not in held_sizes(policy._tree)
-    assert policy._tree.node_count() < nodes_before
+    assert gone.id not in held_sizes(policy._routed.tree)
+    assert policy._routed.tree.node_count() < nodes_before
     remaining = [w for w in workers if w is not gone]
     for p, home in zip(prompts, homes, strict=True):
         chosen = policy.select(remaining, req(p))
@@ -198,12 +198,23 @@ def test_tree_splits_edges_and_matches_partially() -> None:
     assert held_sizes(tree) == {"a": 11, "b": 11}
 
 
+def test_matches_gives_each_workers_own_match_length() -> None:
+    tree = PrefixTree()
+    tree.insert("", "hello world", "a")
+    tree.insert("", "hello there", "b")
+    tree.insert("", "help", "c")
+    assert tree.matches("", "hello world!", {"a", "b", "c"}) == {"a": 11, "b": 6, "c": 3}
+    assert tree.matches("", "hello world!", {"b"}) == {"b": 6}
+    assert tree.matches("", "goodbye", {"a", "b", "c"}) == {}
+    assert tree.matches("other", "hello world", {"a", "b", "c"}) == {}
+
+
 def test_token_keys_split_on_token_boundaries() -> None:
     policy = CacheAwarePolicy()
     # 0x0100 and 0x0101 share their low bytes; a byte-level split would count a partial token.
     a = [7, 0x0100, 9]
     b = [7, 0x0101, 9]
-    tree = policy._tree
+    tree = policy._routed.tree
     tree.insert("", pack_token_ids(a), "x")
     assert tree.match("", pack_token_ids(b), {"x"}) == (1, ["x"])
     assert tree.match("", pack_token_ids(a[:2] + [5]), {"x"}) == (2, ["x"])
@@ -267,4 +278,4 @@ def test_prompt_cache_keys_are_bounded() -> None:
     workers = make_workers(2)
     for i in range(10):
         policy.select(workers, RoutingRequest("m", ids(5), cache_key=f"k{i}"))
-    assert list(policy._keys) == [tenant_key("", k) for k in ("k7", "k8", "k9")]
+    assert list(policy._routed.keys) == [tenant_key("", k) for k in ("k7", "k8", "k9")]

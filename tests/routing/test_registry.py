@@ -7,7 +7,14 @@ from harmony_gateway.routing import POLICIES, CacheAwarePolicy, create_policy
 
 
 def test_table_names_match_policy_names() -> None:
-    assert set(POLICIES) == {"round_robin", "random", "power_of_two", "cache_aware", "consistent_hash"}
+    assert set(POLICIES) == {
+        "round_robin",
+        "random",
+        "power_of_two",
+        "cache_aware",
+        "kv_aware",
+        "consistent_hash",
+    }
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert create_policy(name).name == name
@@ -36,6 +43,7 @@ def test_exported_members() -> None:
         "consistent_hash",
         "fleet",
         "health",
+        "kv_aware",
         "policy",
         "power_of_two",
         "random_policy",

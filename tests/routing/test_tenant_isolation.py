@@ -52,6 +52,28 @@ def test_a_lookup_matches_only_its_own_namespace(
         assert bool(holders) == bool(matched)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    inserts=st.lists(st.tuples(st.sampled_from(TENANTS), texts, st.sampled_from(["w0", "w1"])), max_size=20),
+    probes=st.lists(st.tuples(st.sampled_from(TENANTS), texts), min_size=1, max_size=10),
+)
+def test_each_workers_match_comes_from_its_own_namespace(
+    inserts: list[tuple[str, str, str]], probes: list[tuple[str, str]]
+) -> None:
+    """`matches` gives every worker the longest prefix it was sent in the probe's namespace, and no more."""
+    tree = PrefixTree()
+    for namespace, key, worker in inserts:
+        tree.insert(namespace, key, worker)
+    for namespace, probe in probes:
+        expected = {}
+        for worker in ("w0", "w1"):
+            own = [key for ns, key, w in inserts if ns == namespace and w == worker]
+            longest = max((common_prefix(probe, key) for key in own), default=0)
+            if longest:
+                expected[worker] = longest
+        assert tree.matches(namespace, probe, {"w0", "w1"}) == expected
+
+
 Request = tuple[str, list[int], str]
 
 

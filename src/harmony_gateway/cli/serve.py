@@ -20,6 +20,7 @@ from ..errors import InvalidRequest
 from ..observability.logging import configure_logging
 from ..pipeline.output_parsers.registry import validate_parser_names
 from ..routing.cache_aware import CacheAwarePolicy
+from ..routing.kv_aware import KvAwarePolicy
 from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
 from ..traffic.keys import KeyPolicy, read_key_file
@@ -206,7 +207,7 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--policy",
         default="round_robin",
-        help="routing policy: round_robin, random, power_of_two, cache_aware, consistent_hash",
+        help="routing policy: round_robin, random, power_of_two, cache_aware, kv_aware, consistent_hash",
     )
     g.add_argument(
         "--model-policy",
@@ -232,14 +233,51 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
         "--balance-abs-threshold",
         type=int,
         default=32,
-        help="cache_aware: send to the least-loaded worker when the busiest has more than this many "
-        "in-flight requests above it...",
+        help="cache_aware, kv_aware: load is skewed when a worker has more than this many requests "
+        "above the least loaded...",
     )
     g.add_argument(
         "--balance-rel-threshold",
         type=float,
         default=1.5,
-        help="...and more than this many times its in-flight requests",
+        help="...and more than this many times its count; cache_aware then sends to the least-loaded "
+        "worker, kv_aware takes the skewed worker's cache affinity away",
+    )
+    g.add_argument(
+        "--kv-overlap-weight",
+        type=float,
+        default=1.0,
+        help="kv_aware: weight of the prefill tokens a worker would do (uncached prompt plus its queue) "
+        "in its cost; 0 balances on load alone",
+    )
+    g.add_argument(
+        "--kv-decode-weight",
+        type=float,
+        default=1024.0,
+        metavar="TOKENS",
+        help="kv_aware: prefill tokens one request running or waiting on a worker weighs in its cost",
+    )
+    g.add_argument(
+        "--kv-load-max-age",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="kv_aware: an engine's load record older than this is not read (the gateway's in-flight "
+        "count is)",
+    )
+    g.add_argument(
+        "--kv-pressure-threshold",
+        type=float,
+        default=0.9,
+        help="kv_aware: a worker whose KV usage (0-1) is above this gives up its cache affinity; 1 "
+        "turns the rule off",
+    )
+    g.add_argument(
+        "--kv-temperature",
+        type=float,
+        default=0.0,
+        help="kv_aware: draw workers with softmax over normalised costs at this temperature (0: the "
+        "least cost always wins)",
     )
     g.add_argument(
         "--max-retries",
@@ -621,6 +659,7 @@ def invalid_setting(settings: Settings) -> str | None:
             return f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
     try:
         CacheAwarePolicy(**settings.policy_options("cache_aware"))
+        KvAwarePolicy(**settings.policy_options("kv_aware"))
     except ValueError as exc:
         return str(exc)
     try:

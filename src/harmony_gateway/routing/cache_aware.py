@@ -135,6 +135,35 @@ class PrefixTree:
             node = child
         return matched // unit, holders
 
+    def matches(self, namespace: str, key: Key, worker_ids: Container[str]) -> dict[str, int]:
+        """For each of `worker_ids` recorded in `namespace` as holding a prefix of `key`, the length in
+        symbols of the longest such prefix; workers holding none are absent. Does not touch access times.
+
+        One walk down the key's path, as `match`: O(L) element comparisons plus the workers listed on
+        the nodes it passes.
+        """
+        unit = self.unit
+        lengths: dict[str, int] = {}
+        node = self.roots.get(namespace)
+        if node is None:
+            return lengths
+        i = 0
+        while i < len(key):
+            child = node.children.get(key[i : i + unit])
+            if child is None:
+                break
+            present = [w for w in child.workers if w in worker_ids]
+            if not present:
+                break  # deeper nodes list a subset of this node's workers
+            k = _common_prefix(child.label, key, i, unit)
+            i += k
+            for worker_id in present:
+                lengths[worker_id] = i // unit
+            if k < len(child.label):
+                break
+            node = child
+        return lengths
+
     def insert(self, namespace: str, key: Key, worker_id: str) -> None:
         """Record that `worker_id` was sent `key` in `namespace`, stamping every node on its path as just
         used."""
@@ -247,6 +276,72 @@ class PrefixTree:
         self.roots = {namespace: root for namespace, root in self.roots.items() if root.children}
 
 
+class RoutedPrompts:
+    """What a cache-aware policy sent where, per tenant: the approximate `PrefixTree` of the prompts it
+    routed and the `prompt_cache_key` map. `cache_aware` decides on it alone; `kv_aware` falls back to
+    it for a worker whose engine publishes no KV events, and answers the inspector from it.
+
+    `cache_key="tokens"` keys the tree on the prompt's token ids; `"selection-text"` on the characters
+    of the last user message. Each worker's share of the tree is bounded by `max_tree_size` symbols
+    (prompts longer than that are recorded truncated; least recently used leaves go first). The key map
+    holds at most `max_cache_keys` keys, least recently used first out. Both are looked up and written
+    in the request's tenant namespace only (`RoutingRequest.tenant`).
+    """
+
+    def __init__(
+        self, *, cache_key: CacheKey = "tokens", max_tree_size: int = 2**20, max_cache_keys: int = 100_000
+    ) -> None:
+        if max_tree_size < 1:
+            raise ValueError("max_tree_size must be at least 1")
+        if cache_key not in ("tokens", "selection-text"):
+            raise ValueError(f"cache_key must be 'tokens' or 'selection-text', not {cache_key!r}")
+        self.cache_key: CacheKey = cache_key
+        self.max_tree_size = max_tree_size
+        self.max_cache_keys = max_cache_keys
+        self.tree = PrefixTree(unit=_ID_BYTES if cache_key == "tokens" else 1)
+        #: `tenant_key(tenant, prompt_cache_key)` -> id of the worker it was last sent to (least recently
+        #: used first).
+        self.keys: OrderedDict[str, str] = OrderedDict()
+
+    def key(self, request: RoutingRequest) -> Key:
+        """The request's key in the tree: its packed token ids, or its last user message."""
+        if self.cache_key == "selection-text":
+            return request.selection_text
+        return pack_token_ids(request.input_ids)
+
+    def symbols(self, key: Key) -> int:
+        """The key's length in tokens (characters in selection-text mode)."""
+        return len(key) // self.tree.unit
+
+    def keyed_worker(self, candidates: Sequence[Worker], request: RoutingRequest) -> Worker | None:
+        """The candidate the request's tenant last sent its `prompt_cache_key` to; None without a key,
+        for a key not seen, or when that worker is not among `candidates`."""
+        cache_key = request.cache_key
+        worker_id = self.keys.get(tenant_key(request.tenant, cache_key)) if cache_key else None
+        if worker_id is None:
+            return None
+        return next((w for w in candidates if w.id == worker_id), None)
+
+    def record(self, request: RoutingRequest, key: Key, worker_id: str) -> None:
+        """Record that the request (whose tree key is `key`) was sent to `worker_id`: its prefix in the
+        tree, its `prompt_cache_key` in the map."""
+        if key:
+            unit = self.tree.unit
+            self.tree.insert(request.tenant, key[: self.max_tree_size * unit], worker_id)
+            if self.tree.size(worker_id) > self.max_tree_size:
+                self.tree.evict(worker_id, int(self.max_tree_size * _EVICT_TO))
+        if request.cache_key:
+            scoped = tenant_key(request.tenant, request.cache_key)
+            self.keys[scoped] = worker_id
+            self.keys.move_to_end(scoped)
+            if len(self.keys) > self.max_cache_keys:
+                self.keys.popitem(last=False)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget the worker's prefixes; keys naming it stay and simply stop matching a candidate."""
+        self.tree.remove_worker(worker_id)
+
+
 class CacheAwarePolicy(RoutingPolicy):
     """Routes to the worker with the longest cached prefix, unless load is skewed or the match is short.
 
@@ -270,11 +365,11 @@ class CacheAwarePolicy(RoutingPolicy):
     the threshold (a new agent session whose first turns are mostly the shared system prompt). The key
     map is bounded (`max_cache_keys`, least recently used first).
 
-    The prompt is then recorded under the chosen worker. `cache_key="tokens"` keys the tree on the
-    prompt's token ids; `"selection-text"` on the characters of the last user message, for when ids
-    differ per worker or the text is the better affinity signal. Each worker's share of the tree is
-    bounded by `max_tree_size` symbols (prompts longer than that are recorded truncated); least recently
-    used leaves go first. Selecting costs O(prompt length) with small constants (see `PrefixTree`).
+    The prompt is then recorded under the chosen worker (`RoutedPrompts`: `cache_key`, `max_tree_size`).
+    Selecting costs O(prompt length) with small constants (see `PrefixTree`).
+
+    This policy reads only its own record, never the engines' KV events: `kv_aware` is the policy that
+    routes on them.
     """
 
     name = "cache_aware"
@@ -291,98 +386,79 @@ class CacheAwarePolicy(RoutingPolicy):
     ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be between 0 and 1")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        if max_tree_size < 1:
-            raise ValueError("max_tree_size must be at least 1")
-        if cache_key not in ("tokens", "selection-text"):
-            raise ValueError(f"cache_key must be 'tokens' or 'selection-text', not {cache_key!r}")
+        check_balance_thresholds(balance_abs_threshold, balance_rel_threshold)
+        self._routed = RoutedPrompts(
+            cache_key=cache_key, max_tree_size=max_tree_size, max_cache_keys=max_cache_keys
+        )
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.max_tree_size = max_tree_size
         self.cache_key: CacheKey = cache_key
-        self._tree = PrefixTree(unit=_ID_BYTES if cache_key == "tokens" else 1)
-        #: `tenant_key(tenant, prompt_cache_key)` -> id of the worker it was last sent to (least recently
-        #: used first).
-        self._keys: OrderedDict[str, str] = OrderedDict()
         self.max_cache_keys = max_cache_keys
 
     def cached_tokens(self, worker: Worker) -> int:
         """Tokens (characters in selection-text mode) the tree records for the worker."""
-        return self._tree.size(worker.id)
+        return self._routed.tree.size(worker.id)
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         candidates = available_workers(workers, request)
-        key = self._key(request)
+        key = self._routed.key(request)
         chosen = self._by_cache_key(candidates, request) or self._choose(candidates, request.tenant, key)
-        if key:
-            self._record(request.tenant, key, chosen.id)
-        if request.cache_key:
-            scoped = tenant_key(request.tenant, request.cache_key)
-            self._keys[scoped] = chosen.id
-            self._keys.move_to_end(scoped)
-            if len(self._keys) > self.max_cache_keys:
-                self._keys.popitem(last=False)
+        self._routed.record(request, key, chosen.id)
         return chosen
 
     def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         candidates = available_workers(workers, request)
         return self._by_cache_key(candidates, request) or self._choose(
-            candidates, request.tenant, self._key(request)
+            candidates, request.tenant, self._routed.key(request)
         )
 
     def match_length(self, workers: Sequence[Worker], request: RoutingRequest) -> int | None:
         """The longest prefix of the request's key any of `workers` is recorded to hold for the
         request's tenant, in tokens (characters with `cache_key="selection-text"`); reads the tree
         without touching it."""
-        key = self._key(request)
+        key = self._routed.key(request)
         if not key:
             return 0
-        return self._tree.match(request.tenant, key, {w.id for w in workers})[0]
+        return self._routed.tree.match(request.tenant, key, {w.id for w in workers})[0]
 
     def _by_cache_key(self, candidates: list[Worker], request: RoutingRequest) -> Worker | None:
-        cache_key = request.cache_key
-        worker_id = self._keys.get(tenant_key(request.tenant, cache_key)) if cache_key else None
-        if worker_id is None:
-            return None
-        worker = next((w for w in candidates if w.id == worker_id), None)
+        worker = self._routed.keyed_worker(candidates, request)
         if worker is None:
             return None
-        least = min(w.in_flight for w in candidates)
-        most = max(w.in_flight for w in candidates)
-        if most - least > self.balance_abs_threshold and most > least * self.balance_rel_threshold:
+        loads = [w.in_flight for w in candidates]
+        if imbalanced(max(loads), min(loads), self.balance_abs_threshold, self.balance_rel_threshold):
             return None  # rule 1 first: a skewed load is balanced even against the key
         return worker
 
     def on_worker_removed(self, worker: Worker) -> None:
-        self._tree.remove_worker(worker.id)
-
-    def _key(self, request: RoutingRequest) -> Key:
-        if self.cache_key == "selection-text":
-            return request.selection_text
-        return pack_token_ids(request.input_ids)
+        self._routed.remove_worker(worker.id)
 
     def _choose(self, candidates: list[Worker], tenant: str, key: Key) -> Worker:
         if len(candidates) == 1:
             return candidates[0]
+        tree = self._routed.tree
         least = min(candidates, key=lambda w: w.in_flight)
         most = max(w.in_flight for w in candidates)
-        if (
-            most - least.in_flight > self.balance_abs_threshold
-            and most > least.in_flight * self.balance_rel_threshold
-        ):
+        if imbalanced(most, least.in_flight, self.balance_abs_threshold, self.balance_rel_threshold):
             return least
         if key:
             by_id = {w.id: w for w in candidates}
-            matched, holders = self._tree.match(tenant, key, by_id)
-            if holders and matched >= self.cache_threshold * (len(key) // self._tree.unit):
+            matched, holders = tree.match(tenant, key, by_id)
+            if holders and matched >= self.cache_threshold * self._routed.symbols(key):
                 return min((by_id[h] for h in holders), key=lambda w: w.in_flight)
-        return min(candidates, key=lambda w: (self._tree.size(w.id), w.in_flight))
+        return min(candidates, key=lambda w: (tree.size(w.id), w.in_flight))
 
-    def _record(self, tenant: str, key: Key, worker_id: str) -> None:
-        unit = self._tree.unit
-        key = key[: self.max_tree_size * unit]
-        self._tree.insert(tenant, key, worker_id)
-        if self._tree.size(worker_id) > self.max_tree_size:
-            self._tree.evict(worker_id, int(self.max_tree_size * _EVICT_TO))
+
+def check_balance_thresholds(balance_abs_threshold: int, balance_rel_threshold: float) -> None:
+    """Raises ValueError unless `balance_abs_threshold` >= 0 and `balance_rel_threshold` >= 1."""
+    if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
+        raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+
+
+def imbalanced(load: float, least: float, balance_abs_threshold: int, balance_rel_threshold: float) -> bool:
+    """Whether `load` is skewed against the least loaded worker's `least`: more than
+    `balance_abs_threshold` above it and more than `balance_rel_threshold` times it. Both margins must
+    clear, so neither steady-state noise at low load nor a deep queue at high load is misread."""
+    return load - least > balance_abs_threshold and load > least * balance_rel_threshold

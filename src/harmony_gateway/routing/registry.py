@@ -10,6 +10,7 @@ from typing import Any
 
 from .cache_aware import CacheAwarePolicy
 from .consistent_hash import ConsistentHashPolicy
+from .kv_aware import KvAwarePolicy
 from .policy import RoutingPolicy
 from .power_of_two import PowerOfTwoPolicy
 from .random_policy import RandomPolicy
@@ -20,6 +21,7 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
     "random": RandomPolicy,
     "power_of_two": PowerOfTwoPolicy,
     "cache_aware": CacheAwarePolicy,
+    "kv_aware": KvAwarePolicy,
     "consistent_hash": ConsistentHashPolicy,
 }
 
