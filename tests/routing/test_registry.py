@@ -34,6 +34,8 @@ def test_exported_members() -> None:
     modules = {
         "cache_aware",
         "consistent_hash",
+        "dns_discovery",
+        "dns_resolver",
         "fleet",
         "health",
         "policy",
