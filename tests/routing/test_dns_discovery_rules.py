@@ -242,6 +242,8 @@ def test_worker_urls_and_ids() -> None:
         ("240.0.0.1", True),
         ("10.1.2.3", False),
         ("127.0.0.2", False),
+        ("::1", False),
+        ("255.255.255.255", True),
         ("fd00::3", False),
         ("8.8.8.8", False),
     ],

@@ -3,7 +3,7 @@
 It reads nothing of the system (no resolv.conf, no /etc/hosts, no /etc/dnsmasq.conf), writes no system
 file (its pid file is in the test's folder), forwards nothing, and answers NXDOMAIN for unknown names
 under `test.`. A and AAAA records come from a hosts file the test rewrites (`set_hosts`, reloaded with
-SIGHUP); SRV records are configuration, which dnsmasq reads only at start, so `set_srv` restarts it on
+SIGHUP, returns once dnsmasq answers with them); SRV records are configuration, which dnsmasq reads only at start, so `set_srv` restarts it on
 the same port. `pause()` (SIGSTOP) makes every lookup time out until `resume()`. Without dnsmasq the
 tests skip locally and fail under CI (`make test` installs it), as the PostgreSQL and Redis ones do.
 """
@@ -30,6 +30,10 @@ DOMAIN = "test"
 
 
 def dnsmasq_path() -> str | None:
+    """DNSMASQ_PATH when set (as CHROMIUM_PATH for the browser tests), else dnsmasq on PATH or in sbin."""
+    configured = os.environ.get("DNSMASQ_PATH")
+    if configured:
+        return configured if os.access(configured, os.X_OK) else None
     return shutil.which("dnsmasq") or next(
         (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)), None
     )
@@ -73,6 +77,7 @@ class Dnsmasq:
         self.hosts.write_text("")
         self.conf.write_text("")
         self.process: subprocess.Popen[bytes] | None = None
+        self._names: set[str] = set()
         self._log_file = self.log.open("ab")
 
     @property
@@ -126,14 +131,30 @@ class Dnsmasq:
 
         await wait_async(answers, timeout=15.0)
 
-    def set_hosts(self, records: Iterable[tuple[str, str]]) -> None:
-        """Replace every A/AAAA record with `(address, name)` pairs, and have dnsmasq reread them."""
+    async def set_hosts(self, records: Iterable[tuple[str, str]]) -> None:
+        """Replace every A/AAAA record with `(address, name)` pairs; returns once dnsmasq answers with
+        them (it rereads the file on SIGHUP), for the names set now and those set before."""
+        records = list(records)
         text = "".join(f"{address} {name}\n" for address, name in records)
         tmp = self.hosts.with_suffix(".new")
         tmp.write_text(text)
         tmp.replace(self.hosts)
         assert self.process is not None
         self.process.send_signal(signal.SIGHUP)
+        expected: dict[str, set[str]] = {name: set() for name in self._names}
+        for address, name in records:
+            expected.setdefault(name, set()).add(address)
+        self._names = set(expected)
+        resolver = self.resolver(timeout=0.5)
+
+        async def answered() -> bool:
+            for name, addresses in expected.items():
+                found = await resolver.addresses(name, "A") + await resolver.addresses(name, "AAAA")
+                if {str(a) for a in found} != addresses:
+                    return False
+            return True
+
+        await wait_async(answered)
 
     async def set_srv(self, records: Sequence[tuple[str, str, int]]) -> None:
         """Replace every SRV record with `(name, target, port)` triples: dnsmasq restarts to read them."""

@@ -25,7 +25,7 @@ Answers and failures:
   SRV target's addresses), what was found is added and nothing is drained.
 - Addresses that can never be an engine are refused whatever an answer says: link-local ones
   (169.254.0.0/16 holds the cloud metadata service; fe80::/10 needs an interface), multicast,
-  unspecified and reserved. Private and loopback addresses are what a cluster's DNS returns, and the
+  unspecified and IPv4 reserved (240.0.0.0/4, broadcast). Private and loopback addresses are what a cluster's DNS returns, and the
   name is the operator's own flag, so the public-address rule of the worker API (url_policy.py) does
   not apply.
 
@@ -180,8 +180,8 @@ def unusable_address(address: IPAddress) -> str | None:
         return "multicast"
     if address.is_unspecified:
         return "unspecified"
-    if address.is_reserved:
-        return "reserved"
+    if isinstance(address, ipaddress.IPv4Address) and address.is_reserved:
+        return "reserved"  # 240.0.0.0/4 and the broadcast address (IPv6's "reserved" ::/8 holds ::1)
     return None
 
 
@@ -487,7 +487,7 @@ class DnsDiscovery:
             await member.changed.wait()
         worker.draining = True
         log.info(
-            "draining worker %s (%s): gone from DNS, %d requests in flight",
+            "draining worker %s (%s): gone from DNS, requests in flight: %d",
             worker.id,
             worker.url,
             worker.in_flight,

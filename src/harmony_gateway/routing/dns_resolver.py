@@ -28,14 +28,19 @@ _GRACE = 0.5
 
 
 class DnsResolver:
-    """Raises dns.resolver.NoResolverConfiguration at construction when `server` is None and the
-    system names no nameserver. Each query is bounded by `timeout` seconds (retries and the search
-    list included)."""
+    """Raises ValueError at construction when `server` is None and the system names no nameserver.
+    Each query is bounded by `timeout` seconds (retries and the search list included)."""
 
     def __init__(self, server: str | None = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout = timeout
         if server is None:
-            self._resolver = dns.asyncresolver.Resolver()  # reads /etc/resolv.conf once, here
+            try:
+                self._resolver = dns.asyncresolver.Resolver()  # reads /etc/resolv.conf once, here
+            except dns.resolver.NoResolverConfiguration:
+                raise ValueError(
+                    "--worker-dns: the system names no nameserver (/etc/resolv.conf); "
+                    "pass --worker-dns-server ADDRESS[:PORT]"
+                ) from None
             self._search: bool | None = True
         else:
             address, port = parse_nameserver(server)
