@@ -52,8 +52,12 @@ class ScriptedResolver:
     aaaa: dict[str, list[str]] = field(default_factory=dict)
     srv: dict[str, list[ServiceRecord]] = field(default_factory=dict)
     failing: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Raise an error outside the resolver contract (a bug, not a DNS failure).
+    crash: bool = False
 
     def _fail(self, name: str, rdtype: str) -> None:
+        if self.crash:
+            raise RuntimeError("resolver bug")
         reason = self.failing.get((name, rdtype))
         if reason is not None:
             raise LookupFailed(name, reason, "scripted")
@@ -347,6 +351,25 @@ async def test_failed_lookups_keep_the_fleet_and_a_partial_one_only_adds(
         await look_up(discovery, tg)
         await wait_until(lambda: engines[0].url not in urls(fleet))
         assert metrics.registry.get_sample_value("gateway_dns_discovered_workers", {"target": spec}) == 2
+
+
+async def test_the_loop_answers_once_the_first_workers_are_in_and_survives_a_resolver_fault(
+    engines: list[RunningSim], fleet: Fleet
+) -> None:
+    resolver = ScriptedResolver(a={NAME: [ADDRESSES[0]]})
+    async with discovering(fleet, resolver, f"grpc://{NAME}:{engines[0].port}", interval=0.05) as (
+        discovery,
+        tg,
+    ):
+        await tg.start(discovery.run)
+        assert {w.url for w in fleet.all_workers() if w.available()} == {engines[0].url}
+        resolver.crash = True
+        rounds = discovery.failed_rounds
+        await wait_until(lambda: discovery.failed_rounds >= rounds + 3)
+        assert urls(fleet) == {engines[0].url}
+        resolver.crash = False
+        resolver.a[NAME] = [ADDRESSES[1]]
+        await wait_until(lambda: urls(fleet) == {engines[1].url})
 
 
 async def test_a_draining_worker_takes_no_request_and_leaves_when_its_last_one_ends(

@@ -311,14 +311,20 @@ class DnsDiscovery:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             started = anyio.current_time()
-            new = await self.refresh(tg)
-            for member in new:
+            for member in await self._round(tg):
                 await member.admitted.wait()
             task_status.started()
             while True:
                 await anyio.sleep(max(0.0, self.interval - (anyio.current_time() - started)))
                 started = anyio.current_time()
-                await self.refresh(tg)
+                await self._round(tg)
+
+    async def _round(self, tg: TaskGroup) -> list[_Member]:
+        try:
+            return await self.refresh(tg)
+        except Exception:  # a fault here must not stop discovery, nor the app whose task group it is in
+            log.exception("DNS discovery round failed")
+            return []
 
     # -- one round -------------------------------------------------------------------------------
     async def refresh(self, tg: TaskGroup) -> list[_Member]:
@@ -327,7 +333,13 @@ class DnsDiscovery:
         answers: list[_Answer] = [_Answer() for _ in self._targets]
 
         async def look_up(i: int) -> None:
-            answers[i] = await self._look_up(self._targets[i].target)
+            target = self._targets[i].target
+            try:
+                answers[i] = await self._look_up(target)
+            except Exception as exc:  # a resolver fault outside its contract: a failed lookup all the same
+                log.exception("DNS lookup of %s failed unexpectedly", target.spec)
+                failure = LookupFailed(target.name, "error", f"{type(exc).__name__}: {exc}")
+                answers[i] = _Answer(failure=failure, failed_whole=True)
 
         async with anyio.create_task_group() as lookups:
             for i in range(len(self._targets)):
@@ -451,6 +463,9 @@ class DnsDiscovery:
             except GatewayError as exc:  # registered meanwhile through the worker API
                 log.warning("cannot add worker %s found in DNS: %s", member.url, exc.message)
                 return
+            except Exception:
+                log.exception("cannot add worker %s found in DNS", member.url)
+                return
             finally:
                 member.admitted.set()
             log.info(
@@ -474,8 +489,11 @@ class DnsDiscovery:
             try:
                 await self.fleet.remove(worker.id)
             except NotFound:
-                pass
-            log.debug("removed worker %s (%s) after draining", worker.id, worker.url)
+                pass  # removed meanwhile by someone else
+            except Exception:
+                log.exception("removing worker %s (%s) failed", worker.id, worker.url)
+            else:
+                log.debug("removed worker %s (%s) after draining", worker.id, worker.url)
         finally:
             if self._members.get((member.kind, member.url)) is member:
                 del self._members[(member.kind, member.url)]
