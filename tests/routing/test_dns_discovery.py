@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,13 +16,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.mmap_dict import MmapedDict
 
 from harmony_gateway.routing.dns_discovery import DnsDiscovery, worker_id
 from harmony_gateway.routing.workers import WorkerKind
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
 from tests.support.dnsmasq import Dnsmasq, running_dnsmasq, wait_async
-from tests.support.processes import free_port
+from tests.support.processes import free_port, start_gateway_process
 from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
 
 NAME = "engines.test"
@@ -265,3 +268,69 @@ async def test_a_large_answer_arrives_over_tcp(dns: Dnsmasq) -> None:
 
     await wait_async(answered)
     assert {str(a) for a in await resolver.addresses("many.test", "A")} == set(addresses)
+
+
+def healthy_ids_by_process(metrics_dir: Path) -> dict[int, set[str]]:
+    """Per live gateway process: the worker ids its `gateway_worker_healthy` gauge file holds at 1."""
+    out: dict[int, set[str]] = {}
+    for path in metrics_dir.glob("gauge_livemax_*.db"):
+        pid = int(path.stem.rsplit("_", 1)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        for key, value, _ts, _pos in MmapedDict.read_all_values_from_file(str(path)):
+            _metric, name, labels, _help = json.loads(key)
+            if name == "gateway_worker_healthy":
+                ids = out.setdefault(pid, set())
+                if value == 1:
+                    ids.add(labels["worker"])
+    return out
+
+
+@pytest.mark.timeout(150)
+async def test_the_processes_of_serve_workers_each_resolve_and_name_workers_alike(
+    dns: Dnsmasq, engines: list[RunningSim], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    first, second = engines[:2]
+    await dns.set_hosts(hosts(*ADDRESSES[:2]))
+    gw = await start_gateway_process(
+        "--workers",
+        "2",
+        "--storage",
+        f"sqlite:///{tmp_path / 'gateway.db'}",
+        "--worker-dns",
+        f"grpc://{NAME}:{first.port}",
+        "--worker-dns-server",
+        dns.server,
+        "--worker-dns-interval",
+        "0.2",
+    )
+    try:
+        both = {worker_id(WorkerKind.REGULAR, sim.url) for sim in (first, second)}
+        # Each process writes its fleet's gauges at every reconcile (about once a second).
+        await wait_until(
+            lambda: list(healthy_ids_by_process(metrics_dir).values()) == [both, both], timeout=30
+        )
+        # New connections each time: the kernel hands them to both processes.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{gw.port}", limits=limits, timeout=20
+        ) as http:
+            for _ in range(6):
+                r = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": [{"role": "user", "content": "What is 2+2?"}]},
+                )
+                assert r.status_code == 200, r.text
+        assert all(n > 0 for n in served(engines)[:2])
+        await dns.set_hosts(hosts(ADDRESSES[1]))
+        only = {worker_id(WorkerKind.REGULAR, second.url)}
+        await wait_until(
+            lambda: list(healthy_ids_by_process(metrics_dir).values()) == [only, only], timeout=30
+        )
+    finally:
+        gw.stop()
