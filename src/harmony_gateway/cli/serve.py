@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_discovery_arguments(
         p.add_argument_group(
             "worker discovery",
-            "Workers from DNS, looked up again and again: a Kubernetes headless Service's pods, with no "
+            "Workers from a DNS name looked up every few seconds: a Kubernetes headless Service's pods, with no "
             "API permission. See docs/routing.md, DNS discovery.",
         )
     )
