@@ -13,7 +13,7 @@ MLX_VENV := $(ENGINES)/mlx-venv
 MLX_STAMP := $(MLX_VENV)/.installed
 MLX_PACKAGES := smg-grpc-servicer==0.14.1 'mlx[cpu]==0.32.4' mlx-lm==0.31.3
 
-.PHONY: install demo test lint format bench clean chromium engines
+.PHONY: install demo test lint format bench clean chromium dnsmasq engines
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,9 +50,19 @@ chromium:
 		else echo "warning: chromium is missing and installing it needs root:" \
 			"run 'sudo apt-get install -y chromium'; the browser tests will be skipped"; fi; }
 
+# The DNS discovery tests run a real DNS server: Debian's dnsmasq, as a child process on a loopback port
+# (dnsmasq-base: the program without the system service).
+dnsmasq:
+	@command -v dnsmasq >/dev/null 2>&1 || test -x /usr/sbin/dnsmasq || { \
+		if [ "$$(id -u)" = 0 ]; then \
+			(apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y dnsmasq-base) \
+			|| echo "warning: could not install dnsmasq; the DNS discovery tests will be skipped (failed under CI)"; \
+		else echo "warning: dnsmasq is missing and installing it needs root:" \
+			"run 'sudo apt-get install -y dnsmasq-base'; the DNS discovery tests will be skipped (failed under CI)"; fi; }
+
 # The engine set-up (minutes on a fresh machine, nothing once cached) runs beside the rest of the suite;
 # the real-engine tests run once it is done.
-test: $(STAMP) $(TOOLS_STAMP) chromium
+test: $(STAMP) $(TOOLS_STAMP) chromium dnsmasq
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 	@mkdir -p $(ENGINES)

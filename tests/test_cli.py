@@ -41,6 +41,45 @@ def test_invalid_settings_are_named(flags: list[str], fragment: str) -> None:
     assert problem is not None and fragment in problem
 
 
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--worker-dns", "grpc://engines"], "needs a port"),
+        (["--worker-dns", "grpc://engines:1?engine=nope"], "unknown engine 'nope'"),
+        (["--worker-dns", "grpc://engines:1", "--worker-dns-server", "dns.example"], "expected an IP"),
+        (["--worker-dns", "grpc://engines:1", "--worker-dns-interval", "0"], "--worker-dns-interval"),
+        (["--worker-dns", "grpc://engines:1", "--worker-dns-drain-timeout", "-1"], "drain-timeout"),
+    ],
+)
+def test_invalid_discovery_settings_are_named(flags: list[str], fragment: str) -> None:
+    args = build_parser().parse_args(["serve", *flags])
+    problem = invalid_setting(settings_from_args(args))
+    assert problem is not None and fragment in problem
+
+
+def test_discovery_settings() -> None:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--worker-dns",
+            "grpc://engines.ns.svc.cluster.local:30000",
+            "--worker-dns",
+            "grpc+srv://_grpc._tcp.prefill.ns.svc.cluster.local?kind=prefill",
+            "--worker-dns-server",
+            "10.96.0.10",
+        ]
+    )
+    settings = settings_from_args(args)
+    assert invalid_setting(settings) is None
+    assert settings.worker_dns == (
+        "grpc://engines.ns.svc.cluster.local:30000",
+        "grpc+srv://_grpc._tcp.prefill.ns.svc.cluster.local?kind=prefill",
+    )
+    assert settings.worker_dns_server == "10.96.0.10"
+    assert (settings.worker_dns_interval, settings.worker_dns_timeout) == (5.0, 2.0)
+    assert settings.worker_dns_drain_timeout is None
+
+
 def test_valid_settings_pass() -> None:
     args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--policy", "cache_aware"])
     assert invalid_setting(settings_from_args(args)) is None
@@ -217,6 +256,7 @@ def test_version_names_the_installed_distribution(
 SERVE_GROUPS = [
     "server",
     "engine and model",
+    "worker discovery",
     "routing",
     "storage",
     "limits and traffic",

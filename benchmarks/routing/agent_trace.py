@@ -91,7 +91,8 @@ def build_trace(config: TraceConfig) -> Trace:
         per_turn = max(64, (config.final_context_tokens - system_tokens) // config.turns)
         turns = tuple(
             Turn(
-                message=f"[session {sid} turn {t}] " + passage(rng, rng.randint(per_turn // 2, per_turn * 3 // 2)),
+                message=f"[session {sid} turn {t}] "
+                + passage(rng, rng.randint(per_turn // 2, per_turn * 3 // 2)),
                 think=0.0 if t == 0 else rng.expovariate(1.0 / config.think_seconds),
             )
             for t in range(config.turns)

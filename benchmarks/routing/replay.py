@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-
 from agent_trace import Session, Trace
 
 MODEL = "openai/gpt-oss-20b"
@@ -115,7 +114,7 @@ async def _session(
         replica = session.replicas[index] % len(bases)
         try:
             result, answer = await _turn(http, bases[replica], messages, max_tokens)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             result, answer = TurnResult(-1, -1, -1, ok=False, error=repr(exc)), ""
         result.session, result.turn, result.replica = session.id, index, replica
         out.append(result)
@@ -124,7 +123,9 @@ async def _session(
         messages.append({"role": "assistant", "content": answer})
 
 
-async def replay(trace: Trace, bases: list[str], *, max_tokens: int = 48, timeout: float = 600.0) -> ReplayResult:
+async def replay(
+    trace: Trace, bases: list[str], *, max_tokens: int = 48, timeout: float = 600.0
+) -> ReplayResult:
     result = ReplayResult()
     connector = aiohttp.TCPConnector(limit=0)
     client_timeout = aiohttp.ClientTimeout(total=timeout)

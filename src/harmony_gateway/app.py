@@ -1,11 +1,11 @@
 """create_app(settings): builds the object graph in the lifespan and mounts the API.
 
 Start-up order: load the Harmony encoding (fail fast, naming TIKTOKEN_ENCODINGS_BASE), open storage,
-register and probe workers, then run the health checker in the lifespan task group until shutdown.
-The app's loops (health, worker watch, storage purge, stream tuning, shared admission) run in that task
-group; every task that outlives the code that started it (background responses, token charges,
-tokenizer loads) is spawned on the app's `TaskSupervisor`, which the lifespan closes last, so nothing
-the app started runs on after it.
+register and probe workers (the command line's, then DNS's first answer), then run the health checker
+in the lifespan task group until shutdown. The app's loops (health, worker watch, DNS discovery,
+storage purge, stream tuning, shared admission) run in that task group; every task that outlives the
+code that started it (background responses, token charges, tokenizer loads) is spawned on the app's
+`TaskSupervisor`, which the lifespan closes last, so nothing the app started runs on after it.
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
 from .api.routes import router, surface_router
 from .api.workers import router as workers_router
-from .engines.registry import create_client
+from .engines.registry import GRPC_ENGINES, create_client
 from .harmony.encoding import PromptRenderer, get_encoding
 from .harmony.stream_parser import token_bytes
 from .mcp.pool import open_mcp_pool
 from .observability import tracing
 from .observability.metrics import GatewayMetrics
 from .pipeline.context import GatewayState
+from .routing.dns_discovery import DnsDiscovery, DnsMetrics, parse_dns_target
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
 from .routing.registry import create_policy
@@ -127,6 +128,7 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
     if settings.otlp_endpoint:
         store = tracing.TracedStore(store)
     tasks = tasks or TaskSupervisor()
+    metrics = GatewayMetrics(fleet.all_workers)
     return GatewayState(
         settings=settings,
         fleet=fleet,
@@ -134,10 +136,31 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         renderer=PromptRenderer(encoding),
         store=store,
         mcp=open_mcp_pool(settings),
-        metrics=GatewayMetrics(fleet.all_workers),
+        metrics=metrics,
         health_config=health,
         background=BackgroundRunner(default_runner_id(settings.port), tasks),
         tasks=tasks,
+        discovery=_dns_discovery(settings, fleet, metrics),
+    )
+
+
+def _dns_discovery(settings: Settings, fleet: Fleet, metrics: GatewayMetrics) -> DnsDiscovery | None:
+    """`--worker-dns`: the discovery loop the lifespan runs, or None without targets. Raises ValueError
+    for a malformed target or server, and dnspython's NoResolverConfiguration when the system names no
+    nameserver and `--worker-dns-server` is not given."""
+    if not settings.worker_dns:
+        return None
+    # lazy: dnspython (~80 ms of imports) loads only in a gateway that discovers workers through DNS
+    from .routing.dns_resolver import DnsResolver
+
+    drain = settings.worker_dns_drain_timeout
+    return DnsDiscovery(
+        fleet,
+        [parse_dns_target(spec, tuple(GRPC_ENGINES)) for spec in settings.worker_dns],
+        DnsResolver(settings.worker_dns_server, settings.worker_dns_timeout),
+        interval=settings.worker_dns_interval,
+        drain_timeout=settings.timeouts.total if drain is None else drain,
+        metrics=DnsMetrics(metrics.registry),
     )
 
 
@@ -204,6 +227,9 @@ def create_app(settings: Settings) -> FastAPI:
                 await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
             async with gw.mcp, anyio.create_task_group() as tg:
+                if gw.discovery is not None:
+                    # Returns once the first answer's workers were probed: they serve the first request.
+                    await tg.start(gw.discovery.run)
                 if gw.fleet.shared is not None:
                     tg.start_soon(gw.fleet.shared.run)
                     tg.start_soon(gw.fleet.shared.run_health)

@@ -44,6 +44,17 @@ class Settings:
     worker_urls: tuple[str, ...] = ()
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
+    #: DNS names whose addresses are workers, looked up again every `worker_dns_interval` seconds
+    #: (`--worker-dns`, routing/dns_discovery.py): `grpc://NAME:PORT` (A/AAAA) or `grpc+srv://NAME` (SRV).
+    worker_dns: tuple[str, ...] = ()
+    worker_dns_interval: float = 5.0
+    #: Seconds one DNS lookup may take.
+    worker_dns_timeout: float = 2.0
+    #: The nameserver to ask (`ADDRESS[:PORT]`); None: the system's (/etc/resolv.conf).
+    worker_dns_server: str | None = None
+    #: Seconds a worker gone from DNS may keep serving its requests in flight before it is removed;
+    #: None: the request timeout (`timeouts.total`), so a drain never cuts a request short of its limit.
+    worker_dns_drain_timeout: float | None = None
     engine: str = "auto"  # sglang | vllm | auto
     harmony_models: frozenset[str] = frozenset()
     policy: str = "round_robin"

@@ -43,7 +43,10 @@ async def test_add_list_and_remove_workers() -> None:
                 "healthy",
                 "in_flight",
                 "circuit_breaker",
+                "draining",
+                "discovered_by",
             }
+            assert added["draining"] is False and added["discovered_by"] is None
             rids = [next_request_id("api") for _ in range(4)]
             for rid in rids:
                 assert (await chat(http, request_id=rid)).status_code == 200

@@ -41,6 +41,8 @@ def test_exported_members() -> None:
     modules = {
         "cache_aware",
         "consistent_hash",
+        "dns_discovery",
+        "dns_resolver",
         "fleet",
         "health",
         "kv_aware",

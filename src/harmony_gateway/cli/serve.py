@@ -16,10 +16,12 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..engines.registry import GRPC_ENGINES
 from ..errors import InvalidRequest
 from ..observability.logging import configure_logging
 from ..pipeline.output_parsers.registry import validate_parser_names
 from ..routing.cache_aware import CacheAwarePolicy
+from ..routing.dns_discovery import parse_dns_target, parse_nameserver
 from ..routing.kv_aware import KvAwarePolicy
 from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
@@ -51,6 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "their health and /metrics through the storage, which must be sqlite or postgresql",
     )
     _add_engine_and_model_arguments(p.add_argument_group("engine and model"))
+    _add_discovery_arguments(
+        p.add_argument_group(
+            "worker discovery",
+            "Workers from a DNS name looked up every few seconds: a Kubernetes headless Service's pods, with no "
+            "API permission. See docs/routing.md, DNS discovery.",
+        )
+    )
     _add_routing_arguments(p.add_argument_group("routing"))
     _add_storage_arguments(p.add_argument_group("storage"))
     _add_limits_and_traffic_arguments(
@@ -200,6 +209,42 @@ def _add_engine_and_model_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--max-tool-calls", type=int, default=10, help="limit on gateway-executed tool calls per response"
+    )
+
+
+def _add_discovery_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--worker-dns",
+        action="append",
+        metavar="URL",
+        help="a worker for each address of a DNS name: grpc://NAME:PORT (A and AAAA records) or "
+        "grpc+srv://NAME (SRV records give targets and ports, e.g. grpc+srv://_grpc._tcp.engines.ns.svc"
+        ".cluster.local); grpcs:// alike; ?kind=prefill|decode and ?engine=NAME set the workers' kind and "
+        "protocol (repeatable)",
+    )
+    g.add_argument(
+        "--worker-dns-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between lookups; an address missing from two answers in a row drains",
+    )
+    g.add_argument(
+        "--worker-dns-timeout", type=float, default=2.0, metavar="S", help="seconds one DNS lookup may take"
+    )
+    g.add_argument(
+        "--worker-dns-server",
+        default=None,
+        metavar="ADDRESS[:PORT]",
+        help="ask this nameserver (default: the system's, from /etc/resolv.conf, with its search list)",
+    )
+    g.add_argument(
+        "--worker-dns-drain-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a worker gone from DNS may finish its requests in flight before it is removed "
+        "(default: --request-timeout)",
     )
 
 
@@ -629,6 +674,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "worker_urls": tuple(args.worker_url or ()),
         "prefill_urls": tuple(args.prefill or ()),
         "decode_urls": tuple(args.decode or ()),
+        "worker_dns": tuple(args.worker_dns or ()),
         "harmony_models": frozenset(harmony_models),
         "processes": args.workers,
         "stream_interval": _stream_interval(args.stream_interval),
@@ -687,8 +733,26 @@ def invalid_setting(settings: Settings) -> str | None:
                 ipaddress.ip_network(peer, strict=False)
             except ValueError:
                 return f"--forwarded-allow-ips expects IPs, CIDRs or '*', got {peer!r}"
+    problem = _discovery_problem(settings)
+    if problem:
+        return problem
     if settings.protect_metrics and not settings.admin_keys and settings.admin_port is None:
         return "--protect-metrics needs the admin credential: pass --admin-key KEY or --admin-port PORT"
+    return None
+
+
+def _discovery_problem(settings: Settings) -> str | None:
+    try:
+        for spec in settings.worker_dns:
+            parse_dns_target(spec, tuple(GRPC_ENGINES))
+        if settings.worker_dns_server is not None:
+            parse_nameserver(settings.worker_dns_server)
+    except ValueError as exc:
+        return str(exc)
+    if settings.worker_dns_interval <= 0 or settings.worker_dns_timeout <= 0:
+        return "--worker-dns-interval and --worker-dns-timeout must be above 0"
+    if settings.worker_dns_drain_timeout is not None and settings.worker_dns_drain_timeout < 0:
+        return "--worker-dns-drain-timeout must be 0 or more"
     return None
 
 
@@ -713,8 +777,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     except VocabularyUnavailable as exc:
         print(f"harmony-gateway: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    if not settings.worker_urls and not settings.prefill_urls and not args.demo:
-        print("harmony-gateway: no workers: pass --worker-url grpc://host:port (or --demo)", file=sys.stderr)
+    if not settings.worker_urls and not settings.prefill_urls and not settings.worker_dns and not args.demo:
+        print(
+            "harmony-gateway: no workers: pass --worker-url grpc://host:port, --worker-dns "
+            "grpc://name:port (or --demo)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if args.workers > 1:
         problem = _multiprocess_problem(settings, args.demo)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from ..harmony.token_parser import HarmonyOutputParser
     from ..mcp.pool import McpPool
     from ..observability.metrics import GatewayMetrics
+    from ..routing.dns_discovery import DnsDiscovery
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.health import HealthConfig
     from ..routing.workers import Worker
@@ -113,6 +114,8 @@ class GatewayState:
     tokenizer_loads: dict[str, asyncio.Task[ModelTokenizer]] = field(default_factory=dict)
     #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
+    #: Keeps the fleet in step with `--worker-dns` (routing/dns_discovery.py); None without it.
+    discovery: DnsDiscovery | None = None
 
 
 log = logging.getLogger(__name__)

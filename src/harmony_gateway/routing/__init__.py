@@ -3,11 +3,13 @@
 `create_policy(name, **options)` builds a `RoutingPolicy` from the `POLICIES` table; `HealthChecker`
 runs in the app's lifespan task group; the pipeline reports request outcomes with `record_success` /
 `record_failure`. Under `serve --workers N`, `SharedWorkers` shares registered workers and their health
-between the processes through storage.
+between the processes through storage. `DnsDiscovery` adds and drains workers as a DNS name's addresses
+come and go (`--worker-dns`).
 """
 
 from .cache_aware import CacheAwarePolicy
 from .consistent_hash import ConsistentHashPolicy
+from .dns_discovery import DnsDiscovery, DnsTarget, parse_dns_target
 from .health import BreakerConfig, HealthChecker, HealthConfig, record_failure, record_probe, record_success
 from .kv_aware import KvAwarePolicy
 from .policy import RoutingPolicy, RoutingRequest, available_workers
@@ -24,6 +26,8 @@ __all__ = [
     "BreakerState",
     "CacheAwarePolicy",
     "ConsistentHashPolicy",
+    "DnsDiscovery",
+    "DnsTarget",
     "HealthChecker",
     "HealthConfig",
     "KvAwarePolicy",
@@ -38,6 +42,7 @@ __all__ = [
     "available_workers",
     "create_policy",
     "healthy_workers",
+    "parse_dns_target",
     "record_failure",
     "record_probe",
     "record_success",

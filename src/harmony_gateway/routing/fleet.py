@@ -1,8 +1,8 @@
 """The fleet: every known worker, grouped by the model it serves, with each group's routing policies.
 
-Workers are added from the CLI or the worker API. A worker is probed (model info, then health) before it
-takes traffic; a worker that cannot be reached at start-up stays pending and is probed again by the
-health checker, so the gateway can start before its engines.
+Workers are added from the CLI, the worker API or DNS discovery (routing/dns_discovery.py). A worker is
+probed (model info, then health) before it takes traffic; a worker that cannot be reached at start-up
+stays pending and is probed again by the health checker, so the gateway can start before its engines.
 """
 
 from __future__ import annotations
@@ -107,12 +107,14 @@ class Fleet:
         kind: WorkerKind = WorkerKind.REGULAR,
         engine: str = "auto",
         worker_id: str | None = None,
+        *,
+        discovered_by: str | None = None,
     ) -> Worker:
         for existing in self.workers.values():
             if existing.url == url and existing.kind is kind:
                 raise Conflict(f"worker {redact_url(url)} ({kind.value}) is already registered", param="url")
         client = self._client_factory(url, engine)
-        worker = Worker(url=url, client=client, kind=kind, engine=client.engine)
+        worker = Worker(url=url, client=client, kind=kind, engine=client.engine, discovered_by=discovered_by)
         if worker_id is None and self.new_worker_id is not None:
             worker_id = self.new_worker_id()
         if worker_id is not None:
@@ -126,10 +128,15 @@ class Fleet:
         kind: WorkerKind = WorkerKind.REGULAR,
         engine: str | None = None,
         worker_id: str | None = None,
+        *,
+        discovered_by: str | None = None,
     ) -> Worker:
         """Register a worker and probe it; it takes traffic only once a probe succeeded. Raises Conflict
-        when the URL is registered with that kind already; an unreachable worker is kept, unhealthy."""
-        worker = self.create_worker(url, kind, engine or self._default_engine, worker_id)
+        when the URL is registered with that kind already; an unreachable worker is kept, unhealthy.
+        `discovered_by` names the `--worker-dns` target that found it (routing/dns_discovery.py)."""
+        worker = self.create_worker(
+            url, kind, engine or self._default_engine, worker_id, discovered_by=discovered_by
+        )
         worker.breaker_cooldown = self._breaker_cooldown
         await self.probe(worker)
         if worker.healthy and kind is WorkerKind.PREFILL:

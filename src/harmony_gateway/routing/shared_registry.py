@@ -14,6 +14,9 @@ agree on:
   each worker's health after every round; the others read it at each reconcile instead of probing.
 
 A single process (the default) uses none of this: the fleet and the health checker work in process.
+Workers found through DNS (`--worker-dns`, routing/dns_discovery.py) are not rows either: each process
+resolves the names itself and gives each worker the id its kind and URL make, the same in every process;
+their health is shared like every other worker's.
 """
 
 from __future__ import annotations
@@ -245,7 +248,15 @@ async def publish_worker(fleet: Fleet, worker: Worker) -> None:
 
 
 async def remove_worker(fleet: Fleet, worker_id: str) -> Worker:
-    """`DELETE /workers/{id}`: remove the worker from this process, and from every other one when shared."""
+    """`DELETE /workers/{id}`: remove the worker from this process, and from every other one when shared.
+    Conflict for a worker found through DNS: the next lookup would add it again."""
+    worker = fleet.workers.get(worker_id)
+    if worker is not None and worker.discovered_by is not None:
+        raise Conflict(
+            f"worker {worker_id} was found in DNS by --worker-dns {worker.discovered_by}; it leaves the "
+            "fleet (drained) once its address is no longer in DNS",
+            code="worker_discovered",
+        )
     if fleet.shared is not None:
         return await fleet.shared.remove(worker_id)
     return await fleet.remove(worker_id)

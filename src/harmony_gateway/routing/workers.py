@@ -86,6 +86,11 @@ class Worker:
     #: Set while the engine reports output silence past the wedge bound with requests in flight; a
     #: wedged worker takes no traffic until a later record clears it.
     wedged: bool = False
+    #: Set while the worker leaves the fleet (its address went from DNS): it takes no new request and
+    #: is removed once the requests in flight finish (routing/dns_discovery.py).
+    draining: bool = False
+    #: The `--worker-dns` target that found the worker; None for one from the command line or the API.
+    discovered_by: str | None = None
     #: The prefix index built from the worker's KV events; None for a worker that publishes none.
     kv_index: PrefixIndex | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -100,13 +105,13 @@ class Worker:
         return self.model_info.served_model_name if self.model_info else ""
 
     def available(self, now: float | None = None, breaker_cooldown: float | None = None) -> bool:
-        """Healthy, and the circuit breaker lets a request through.
+        """Healthy, not wedged nor draining, and the circuit breaker lets a request through.
 
         An open breaker half-opens (and this returns True) once `breaker_cooldown` seconds (default:
         the worker's own `breaker_cooldown`) have passed since it opened; `now` defaults to
         `time.monotonic()`. Policies call it with no arguments.
         """
-        if not self.healthy or self.wedged:
+        if not self.healthy or self.wedged or self.draining:
             return False
         if self.breaker is BreakerState.OPEN:
             now = time.monotonic() if now is None else now
@@ -127,6 +132,8 @@ class Worker:
             "healthy": self.healthy,
             "in_flight": self.in_flight,
             "circuit_breaker": self.breaker.value,
+            "draining": self.draining,
+            "discovered_by": self.discovered_by,
         }
 
 
