@@ -6,7 +6,7 @@
   step), numbered from 0 on data-parallel rank 0 (`dp_rank` on every batch). SGLang and TokenSpeed
   engines publish an `AllBlocksCleared` as their first batch, vLLM and TRT-LLM start with their first
   store. Event ids count up per relay; snapshot events carry 0.
-- The last `history` batches are kept. `start_sequence_number` is the last sequence the subscriber
+- The last `history` batches are kept (within `HISTORY_BLOCKS` blocks listed). `start_sequence_number` is the last sequence the subscriber
   applied: inside the window the batches after it come first, then live ones; a cursor past the newest
   batch, below the window, or with nothing kept yet is refused with OUT_OF_RANGE (the subscriber clears
   and resubscribes from zero). Zero means no cursor: the whole history while it still starts at the
@@ -42,7 +42,7 @@ from typing import Any, Literal
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from .kv_cache import Block, BlockCache, KvChange, RemovedBlocks, StoredRun
+from .kv_cache import Block, BlockCache, ClearedAll, KvChange, RemovedBlocks, StoredRun
 from .scheduler import LoadFigures
 
 #: Batches a slow subscriber may fall behind before it is refilled from the history.
@@ -50,6 +50,9 @@ LIVE_LIMIT = 4096
 #: Physical blocks per snapshot chunk (doubled when the sequences behind the cut are too few).
 CHUNK_BLOCKS = 2048
 DEFAULT_HISTORY = 10_000
+#: The history's second bound, in blocks its batches list (the relay's byte budget, in this twin's
+#: terms: about 60 MB of token ids at 16 tokens a block).
+HISTORY_BLOCKS = 262_144
 _U32 = (1 << 32) - 1
 
 Publisher = Literal["sglang", "vllm", "trtllm", "tokenspeed"]
@@ -133,13 +136,14 @@ class _Shape:
 class _Entry:
     """One published batch; its frame is built when a subscriber first needs it."""
 
-    __slots__ = ("_frame", "changes", "first_event_id", "seq", "timestamp")
+    __slots__ = ("_frame", "blocks", "changes", "first_event_id", "seq", "timestamp")
 
     def __init__(self, seq: int, changes: tuple[KvChange, ...], first_event_id: int) -> None:
         self.seq = seq
         self.timestamp = time.time()
         self.changes = changes
         self.first_event_id = first_event_id
+        self.blocks = sum(len(c.hashes) for c in changes if not isinstance(c, ClearedAll))
         self._frame: bytes | None = None
 
     def frame(self, shape: _Shape) -> bytes:
@@ -267,7 +271,9 @@ class KvRelay:
         self.publisher = publisher
         self.timing = timing or RelayTiming()
         self._shape = _Shape(publisher, block_size)
-        self._history: deque[_Entry] = deque(maxlen=max(1, history))
+        self._history: deque[_Entry] = deque()
+        self._history_batches = max(1, history)
+        self._history_blocks = 0
         self._pending: list[KvChange] = []
         self._flush_scheduled = False
         self._next_seq = 0
@@ -328,7 +334,13 @@ class KvRelay:
         entry = _Entry(self._next_seq, changes, first_id)
         self._next_seq += 1
         self.published += 1
-        self._history.append(entry)
+        history = self._history
+        history.append(entry)
+        self._history_blocks += entry.blocks
+        while len(history) > 1 and (
+            len(history) > self._history_batches or self._history_blocks > HISTORY_BLOCKS
+        ):
+            self._history_blocks -= history.popleft().blocks
         for subscriber in self._subscribers:
             if subscriber.lagged:
                 continue
@@ -356,6 +368,7 @@ class KvRelay:
         with DATA_LOSS (the caller empties the cache)."""
         self._pending.clear()
         self._history.clear()
+        self._history_blocks = 0
         self._next_seq = 0
         self.drop_subscriptions(
             grpc.StatusCode.DATA_LOSS, "the KV event publisher restarted; resubscribe from zero"
@@ -558,6 +571,7 @@ class KvRelay:
 __all__ = [
     "CHUNK_BLOCKS",
     "DEFAULT_HISTORY",
+    "HISTORY_BLOCKS",
     "LIVE_LIMIT",
     "KvRelay",
     "Publisher",

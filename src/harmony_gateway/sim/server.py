@@ -98,6 +98,24 @@ class SimConfig:
     kv_heartbeat_s: float = 1.0
     kv_heartbeat_backoff_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        problems = [
+            name
+            for name, bad in (
+                ("block_size must be at least 1", self.block_size < 1),
+                ("kv_capacity_tokens must hold one block", self.kv_capacity_tokens < self.block_size),
+                ("max_running_requests must be at least 1", self.max_running_requests < 1),
+                ("kv_history_batches must be at least 1", self.kv_history_batches < 1),
+                (
+                    "the timing model's costs cannot be negative",
+                    min(self.prefill_ms_per_token, self.decode_ms_per_token, self.decode_ms_per_running) < 0,
+                ),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
+
     @property
     def looks_gpt_oss(self) -> bool:
         return self.harmony if self.reports_gpt_oss is None else self.reports_gpt_oss
@@ -869,12 +887,20 @@ async def serve_forever(config: SimConfig) -> None:
     try:
         sim = await start_sim_engine(config)
         log.warning(
-            "simulated %s engine on %s (model=%s, harmony=%s, mode=%s)",
+            "simulated %s engine on %s (model=%s, harmony=%s, mode=%s, kv: %d-token blocks, %d tokens, "
+            "events %s; timing: prefill %g ms/token, decode %g + %g x running ms/token, window %d)",
             config.engine,
             sim.url,
             config.model,
             config.harmony,
             config.mode,
+            config.block_size,
+            config.kv_capacity_tokens,
+            "on" if config.kv_events and config.engine in _PUBLISHERS else "off",
+            config.prefill_ms_per_token,
+            config.decode_ms_per_token,
+            config.decode_ms_per_running,
+            config.max_running_requests,
         )
         try:
             await stop.wait()
