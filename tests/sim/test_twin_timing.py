@@ -67,8 +67,10 @@ async def test_requests_past_the_admission_window_wait_and_show_their_uncached_t
         feed = Feed(sim, channel, load_records_before_first_batch=True)
         sim.hold()  # the first request, once admitted, holds its slot
         first = asyncio.create_task(first_token_and_total(stub, [7, 8, 9], "first", 2))
-        second = asyncio.create_task(first_token_and_total(stub, LONG, "second", 2))
         record = (await feed.next()).load
+        while record.running_requests < 1:
+            record = (await feed.next()).load
+        second = asyncio.create_task(first_token_and_total(stub, LONG, "second", 2))
         while record.waiting_requests < 1:
             record = (await feed.next()).load
         assert record.running_requests == 1 and record.max_running_requests == 1
@@ -91,10 +93,12 @@ async def test_a_request_that_does_not_fit_the_kv_cache_waits_for_room() -> None
     async with await start_sim_engine(config) as sim, grpc.aio.insecure_channel(sim.address) as channel:
         stub = sg_grpc.SglangSchedulerStub(channel)
         sim.hold()
-        first = asyncio.create_task(first_token_and_total(stub, LONG[:100], "first", 20))
-        second = asyncio.create_task(first_token_and_total(stub, LONG[200:300], "second", 20))
         feed = Feed(sim, channel, load_records_before_first_batch=True)
+        first = asyncio.create_task(first_token_and_total(stub, LONG[:100], "first", 20))
         record = (await feed.next()).load
+        while record.running_requests < 1:
+            record = (await feed.next()).load
+        second = asyncio.create_task(first_token_and_total(stub, LONG[200:300], "second", 20))
         while record.waiting_requests < 1:
             record = (await feed.next()).load
         assert record.running_requests == 1
