@@ -338,3 +338,21 @@ async def test_get_loads_reads_the_same_figures() -> None:
         assert load.token_usage == 0 and load.num_waiting_uncached_tokens == 0
         info = await stub(sim, channel).GetServerInfo(sg.GetServerInfoRequest())
         assert info.server_args["page_size"] == 16 and info.max_total_num_tokens == 4096
+
+
+@pytest.mark.parametrize(("history", "refilled"), [(10_000, True), (1_000, False)])
+async def test_a_subscriber_that_falls_behind_is_refilled_or_told_data_loss(
+    history: int, refilled: bool
+) -> None:
+    async with twin(kv_history_batches=history) as (sim, channel):
+        feed = Feed(sim, channel)
+        assert kinds(await feed.next_events()) == ["cleared"]
+        # 5,000 batches in one turn: more than a stream may queue (4,096) before it reads again.
+        for index in range(5000):
+            sim.announce_prefix([index, *range(1, 16)])
+        if not refilled:
+            assert await feed.error() == grpc.StatusCode.DATA_LOSS
+            return
+        sequences = [(await feed.next_events()).sequence_number for _ in range(5000)]
+        assert sequences == list(range(1, 5001))
+        feed.call.cancel()

@@ -79,10 +79,8 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _with_load(frame: bytes, record: common_pb2.EngineLoad | None) -> bytes:
+def _with_load(frame: bytes, record: common_pb2.EngineLoad) -> bytes:
     """`frame` (a `KvEventBatch` without `load`) with `record` as its field 8."""
-    if record is None:
-        return frame
     data = record.SerializeToString()
     return frame + b"\x42" + _varint(len(data)) + data
 
@@ -454,10 +452,15 @@ class KvRelay:
             start = end
         return events
 
-    def _record(self, subscriber: _Subscriber, *, load_only: bool) -> common_pb2.EngineLoad | None:
-        if self._figures is None:
-            return None
-        current = load_record(self._figures(), self.publisher)
+    def _current(self) -> common_pb2.EngineLoad | None:
+        return None if self._figures is None else load_record(self._figures(), self.publisher)
+
+    @staticmethod
+    def _numbered(
+        subscriber: _Subscriber, current: common_pb2.EngineLoad, *, load_only: bool
+    ) -> common_pb2.EngineLoad:
+        """`current` as the stream's next record: numbered, and trimmed to the routing core on an event
+        batch after the first."""
         subscriber.last_record = current
         subscriber.sample += 1
         record = common_pb2.EngineLoad()
@@ -473,20 +476,25 @@ class KvRelay:
         subscriber.last_sent = seq
         subscriber.last_sent_at = time.monotonic()
         subscriber.idle_heartbeats = 0
-        return _with_load(frame, self._record(subscriber, load_only=False))
+        current = self._current()
+        if current is None:
+            return frame
+        return _with_load(frame, self._numbered(subscriber, current, load_only=False))
 
     def _load_only(self, subscriber: _Subscriber, *, force: bool = False) -> bytes | None:
         """A `load_only` batch when the record changed or a heartbeat is due (or `force`)."""
-        if self._figures is None or (subscriber.last_sent is None and not subscriber.before_first):
+        if subscriber.last_sent is None and not subscriber.before_first:
+            return None
+        current = self._current()
+        if current is None:
             return None
         now = time.monotonic()
         last = subscriber.last_record
-        current = load_record(self._figures(), self.publisher)
         changed = last is None or load_changed(last, current)
         due = self.timing.backoff if subscriber.idle_heartbeats >= 2 else self.timing.heartbeat
         if not (force or changed or now - subscriber.last_sent_at >= due):
             return None
-        record = self._record(subscriber, load_only=True)
+        record = self._numbered(subscriber, current, load_only=True)
         subscriber.last_sent_at = now
         subscriber.idle_heartbeats = 0 if changed else subscriber.idle_heartbeats + 1
         batch = common_pb2.KvEventBatch(
