@@ -304,3 +304,44 @@ def _subcommand(parser: argparse.ArgumentParser, command: str) -> argparse.Argum
 
 def _option(parser: argparse.ArgumentParser, command: str, flag: str) -> argparse.Action:
     return next(a for a in _subcommand(parser, command)._actions if flag in a.option_strings)
+
+
+def test_sim_engine_flags_configure_the_cluster_twin() -> None:
+    from harmony_gateway.cli.sim_engine import config_from_args
+
+    args = build_parser().parse_args(
+        [
+            "sim-engine",
+            "--engine",
+            "vllm",
+            "--block-size",
+            "32",
+            "--kv-capacity-tokens",
+            "65536",
+            "--prefill-ms-per-token",
+            "0.02",
+            "--decode-ms-per-token",
+            "8",
+            "--decode-ms-per-running",
+            "0.5",
+            "--max-running-requests",
+            "16",
+            "--kv-history-batches",
+            "500",
+            "--kv-heartbeat-s",
+            "0.5",
+            "--no-record-requests",
+        ]
+    )
+    config = config_from_args(args)
+    assert (config.engine, config.block_size, config.kv_capacity_tokens) == ("vllm", 32, 65536)
+    assert (config.prefill_ms_per_token, config.decode_ms_per_token, config.decode_ms_per_running) == (
+        0.02,
+        8.0,
+        0.5,
+    )
+    assert (config.max_running_requests, config.kv_history_batches, config.kv_heartbeat_s) == (16, 500, 0.5)
+    assert config.kv_events and not config.record_requests
+    assert not config_from_args(build_parser().parse_args(["sim", "--no-kv-events"])).kv_events
+    with pytest.raises(SystemExit, match="block_size must be at least 1"):
+        config_from_args(build_parser().parse_args(["sim", "--block-size", "0"]))

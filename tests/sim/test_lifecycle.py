@@ -20,7 +20,9 @@ def test_exported_members() -> None:
     assert sorted(sim_package.__all__) == sorted(
         [
             "TRIGGERS",
+            "CacheState",
             "HarmonyScript",
+            "LoadFigures",
             "PromptSummary",
             "ReceivedRequest",
             "RunningSim",

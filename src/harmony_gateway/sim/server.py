@@ -2,9 +2,10 @@
 
 `start_sim_engine(SimConfig(...))` binds the server and returns a `RunningSim` (address, received
 requests, aborts, failure injection, `stop()`), used as `async with await start_sim_engine(cfg) as sim:`.
-`SimCore` holds what both protocol servicers share: the script, request recording, the simulated prefix
-cache, stop/length rules, pacing, abort wake-ups and injected failures. The servicers
-(`sglang_server.py`, `vllm_server.py`) only translate between their wire messages and the core.
+`SimCore` holds what every protocol servicer shares: the script, request recording, the block-level KV
+cache (`kv_cache.py`), the scheduler with its timing model (`scheduler.py`), the KV-event relay
+(`kv_relay.py`), stop/length rules, pacing, abort wake-ups and injected failures. The servicers
+(`sglang_server.py`, `vllm_server.py`, ...) only translate between their wire messages and the core.
 """
 
 from __future__ import annotations
@@ -25,15 +26,27 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from harmony_gateway.harmony.encoding import RETURN
 
+from .kv_cache import BlockCache, ClearedAll, HashStyle, chain_keys
+from .kv_relay import DEFAULT_HISTORY, KvRelay, Publisher, RelayTiming
+from .scheduler import LoadFigures, Scheduler, Ticket, Timing
 from .script import HarmonyScript, TextScript, echo_reply
 
 log = logging.getLogger(__name__)
 
 HARMONY_EOS_IDS: tuple[int, ...] = (200002, 199999, 200012)
 PREFIX_PAGE = 16
+#: The KV capacity when none is configured: room for every test and demo prompt.
+DEFAULT_KV_CAPACITY_TOKENS = 1_000_000
 _FAKE_VOCAB = 199998
 
 EngineKind = Literal["sglang", "vllm", "mlx", "trtllm", "tokenspeed"]
+#: The engines whose wire carries `SubscribeKvEvents` (MLX's does not).
+_PUBLISHERS: dict[str, Publisher] = {
+    "sglang": "sglang",
+    "vllm": "vllm",
+    "trtllm": "trtllm",
+    "tokenspeed": "tokenspeed",
+}
 Mode = Literal["regular", "prefill", "decode"]
 
 
@@ -68,6 +81,40 @@ class SimConfig:
     #: Whether GetModelInfo names the gpt-oss model type and architecture (None: when `harmony`).
     #: `harmony=True` with False is a Harmony fine-tune under another name: it needs `--harmony-models`.
     reports_gpt_oss: bool | None = None
+    #: The KV cache: tokens per block and the capacity in tokens (whole blocks), LRU-evicted.
+    block_size: int = PREFIX_PAGE
+    kv_capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS
+    #: The timing model (docs/simulated-engine.md); all 0 keeps `ttft_ms` / `tokens_per_second` pacing.
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    decode_ms_per_running: float = 0.0
+    #: The admission window: requests beyond it wait FIFO.
+    max_running_requests: int = 1024
+    #: `SubscribeKvEvents` (SGLang, vLLM, TRT-LLM, TokenSpeed) and the relay's history in batches.
+    kv_events: bool = True
+    kv_history_batches: int = DEFAULT_HISTORY
+    #: The load-record cadence on the event stream (seconds): change checks, heartbeat, backoff.
+    kv_load_tick_s: float = 0.1
+    kv_heartbeat_s: float = 1.0
+    kv_heartbeat_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        problems = [
+            name
+            for name, bad in (
+                ("block_size must be at least 1", self.block_size < 1),
+                ("kv_capacity_tokens must hold one block", self.kv_capacity_tokens < self.block_size),
+                ("max_running_requests must be at least 1", self.max_running_requests < 1),
+                ("kv_history_batches must be at least 1", self.kv_history_batches < 1),
+                (
+                    "the timing model's costs cannot be negative",
+                    min(self.prefill_ms_per_token, self.decode_ms_per_token, self.decode_ms_per_running) < 0,
+                ),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def looks_gpt_oss(self) -> bool:
@@ -80,6 +127,17 @@ class SimConfig:
     @property
     def primary_eos_id(self) -> int:
         return RETURN if self.harmony else self.eos_token_id
+
+    @property
+    def timing(self) -> Timing:
+        return Timing(self.prefill_ms_per_token, self.decode_ms_per_token, self.decode_ms_per_running)
+
+    @property
+    def hash_style(self) -> HashStyle:
+        """How the engine hashes its blocks: TokenSpeed pages as SGLang does."""
+        if self.engine in ("vllm", "trtllm"):
+            return self.engine
+        return "sglang"
 
 
 @dataclass(slots=True)
@@ -153,34 +211,6 @@ class _Failure:
     message: str
 
 
-class PrefixCache:
-    """Approximate radix cache: chained hashes of 16-token pages of every prompt seen (bounded).
-
-    `lookup_and_insert` returns how many leading tokens an earlier prompt shared, in whole pages and never
-    the whole prompt (the last token is always computed), as paged engines report `cached_tokens`.
-    """
-
-    def __init__(self, max_pages: int = 200_000) -> None:
-        self._pages: dict[int, None] = {}
-        self._max_pages = max_pages
-
-    def lookup_and_insert(self, ids: Sequence[int]) -> int:
-        usable = (len(ids) - 1) // PREFIX_PAGE
-        chain = 0
-        cached = 0
-        matching = True
-        for page in range(usable):
-            chain = hash((chain, tuple(ids[page * PREFIX_PAGE : (page + 1) * PREFIX_PAGE])))
-            if matching and chain in self._pages:
-                cached += PREFIX_PAGE
-            else:
-                matching = False
-                self._pages[chain] = None
-        if len(self._pages) > self._max_pages:
-            self._pages.clear()
-        return cached
-
-
 class FrameCache:
     """Serialized stream frames (by the start of their token span) per choice and request shape (LRU).
 
@@ -232,22 +262,47 @@ def capture_handlers(add_servicer: Callable[[Any, Any], None], servicer: Any) ->
 
 
 class Run:
-    """One in-flight Generate call: abort flag, armed failure and abortable pacing."""
+    """One in-flight Generate call: its place in the scheduler, abort flag, armed failure and abortable
+    pacing. `start` takes it through admission and prefill; `stream_steps` / `wait_whole` then pace its
+    output. `cached_tokens` is known once `start` returned."""
 
-    __slots__ = ("aborted", "cached_tokens", "failure", "request_id", "_core", "_waiter")
+    __slots__ = (
+        "_core",
+        "_started",
+        "_waiter",
+        "aborted",
+        "cached_tokens",
+        "failure",
+        "plans",
+        "request_id",
+        "ticket",
+    )
 
-    def __init__(self, core: SimCore, request_id: str, cached_tokens: int, failure: _Failure | None) -> None:
+    def __init__(
+        self, core: SimCore, request_id: str, input_ids: Sequence[int], failure: _Failure | None
+    ) -> None:
         self._core = core
         self.request_id = request_id
-        self.cached_tokens = cached_tokens
+        self.ticket = Ticket(input_ids)
+        self.cached_tokens = 0
+        self.plans: list[ChoicePlan] = []
         self.failure = failure
         self.aborted = False
+        self._started = False
         self._waiter: asyncio.Future[None] | None = None
 
     def abort(self) -> None:
         self.aborted = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    async def _until(self, future: asyncio.Future[None]) -> None:
+        """Wait for `future` unless aborted; an Abort wakes it at once."""
+        self._waiter = future
+        try:
+            await future
+        finally:
+            self._waiter = None
 
     async def wait(self, seconds: float) -> None:
         """Sleep unless aborted; an Abort wakes it at once (asyncio.sleep's own mechanism, made wakeable)."""
@@ -256,12 +311,48 @@ class Run:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         handle = loop.call_later(seconds, _resolve, waiter)
-        self._waiter = waiter
         try:
-            await waiter
+            await self._until(waiter)
         finally:
             handle.cancel()
-            self._waiter = None
+
+    async def start(self, plans: list[ChoicePlan], *, every_token: bool = False) -> None:
+        """Admission (FIFO within the admission window and the KV capacity), the prefill of the uncached
+        prompt, then `hold` and `ttft_ms`. Idempotent. `every_token`: the request streams each token as
+        it is made (what the engine's silence is judged on)."""
+        if self._started:
+            return
+        self._started = True
+        core = self._core
+        scheduler = core.scheduler
+        ticket = self.ticket
+        self.plans = plans
+        ticket.out_tokens = sum(len(plan.ids) for plan in plans)
+        ticket.reports = every_token
+        admission = scheduler.enter(ticket)
+        if admission is not None:
+            await self._until(admission)
+            if self.aborted:
+                return
+        self.cached_tokens = ticket.cached_blocks * core.config.block_size
+        await self.wait(scheduler.prefill_seconds(ticket))
+        scheduler.prefilled(ticket, aborted=self.aborted)
+        if self.aborted:
+            return
+        if core.gate is not None:
+            await core.gate.wait()
+        await self.wait(core.ttft)
+
+    async def hold_while_wedged(self) -> None:
+        """While the engine is wedged, wait (an Abort still wakes it)."""
+        core = self._core
+        while core.wedged and not self.aborted:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            core.wedge_waiters.add(future)
+            try:
+                await self._until(future)
+            finally:
+                core.wedge_waiters.discard(future)
 
     def check_failure(self, sent_after_step: int) -> None:
         failure = self.failure
@@ -283,6 +374,7 @@ class Run:
         On Abort it stops; the caller reports unfinished choices (`plan.done` false) as aborted.
         """
         core = self._core
+        scheduler = core.scheduler
         chunk = max(1, chunk)
         total = sum(len(p.ids) for p in plans)
         if self.failure is not None:
@@ -290,13 +382,13 @@ class Run:
             self.failure.after_tokens = min(self.failure.after_tokens, max(total - 1, 0))
             if self.failure.after_tokens == 0:
                 self.fail_if_armed()
-        if core.gate is not None:
-            await core.gate.wait()
-        await self.wait(core.ttft)
+        await self.start(plans, every_token=chunk == 1)
         sent = 0
         spans = {plan.index: chunk_spans(len(plan.ids), chunk, first_alone=first_alone) for plan in plans}
         step_no = 0
         while not self.aborted:
+            if core.wedged:
+                await self.hold_while_wedged()
             size = chunk
             for plan in plans:
                 if plan.done:
@@ -310,18 +402,25 @@ class Run:
                 plan.sent = end
                 plan.done = last
                 sent += end - pos
+                scheduler.note_output(end - pos)
                 yield Step(plan, pos, end, last)
             if all(p.done for p in plans):
                 return
             step_no += 1
-            await self.wait(size * core.token_delay)
+            await self.wait(scheduler.step_seconds(size))
 
     async def wait_whole(self, plans: list[ChoicePlan]) -> None:
-        """Non-stream timing: first-token delay plus the longest choice at the configured rate."""
+        """Non-stream timing: admission and prefill, then the longest choice's decode steps."""
+        await self.start(plans)
         longest = max((len(p.ids) for p in plans), default=0)
-        if self._core.gate is not None:
-            await self._core.gate.wait()
-        await self.wait(self._core.ttft + longest * self._core.token_delay)
+        scheduler = self._core.scheduler
+        await self.wait(scheduler.step_seconds(longest))
+        if self._core.wedged:
+            await self.hold_while_wedged()
+        if not self.aborted:
+            scheduler.note_output(longest)
+            for plan in plans:
+                plan.sent = len(plan.ids)
         self.fail_if_armed()
 
 
@@ -383,12 +482,86 @@ class SimCore:
         #: While set and not open, Generate calls wait here before their first token (`RunningSim.hold`).
         self.gate: asyncio.Event | None = None
         self._failures: deque[_Failure] = deque()
-        self._prefix = PrefixCache()
         self.frames = FrameCache()
+        #: While set, the engine emits nothing: requests hold their place and the silence grows.
+        self.wedged = False
+        self.wedge_waiters: set[asyncio.Future[None]] = set()
+        publisher = _PUBLISHERS.get(config.engine) if config.kv_events else None
+        self.relay = (
+            KvRelay(
+                publisher,
+                block_size=config.block_size,
+                history=config.kv_history_batches,
+                timing=RelayTiming(
+                    config.kv_load_tick_s, config.kv_heartbeat_s, config.kv_heartbeat_backoff_s
+                ),
+            )
+            if publisher is not None
+            else None
+        )
+        self.cache = BlockCache(
+            config.block_size,
+            config.kv_capacity_tokens // config.block_size,
+            config.hash_style,
+            on_change=self.relay.emit if self.relay is not None else None,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            config.timing,
+            config.max_running_requests,
+            token_delay=self.token_delay,
+            # vLLM keeps a second physical copy of a block two requests computed at once.
+            physical_copies=config.engine == "vllm",
+            on_change=self.relay.poke if self.relay is not None else None,
+        )
+        if self.relay is not None:
+            self.relay.attach(self.cache, self.scheduler.figures, lambda: self.scheduler.busy)
+            if self.relay.startup_clear:
+                self.relay.emit(ClearedAll())
 
     @property
     def active(self) -> int:
         return len(self._runs)
+
+    def figures(self) -> LoadFigures:
+        return self.scheduler.figures()
+
+    def publish(self) -> None:
+        """Publish the changes made so far as their own batch (a test control is a step of its own)."""
+        if self.relay is not None:
+            self.relay.flush()
+
+    def wedge(self) -> None:
+        self.wedged = True
+
+    def unwedge(self) -> None:
+        self.wedged = False
+        for future in self.wedge_waiters:
+            if not future.done():
+                future.set_result(None)
+        self.wedge_waiters.clear()
+
+    def flush(self, *, force: bool = False) -> bool:
+        """Empty the KV cache (`AllBlocksCleared`); refused (False) while requests are in flight unless
+        `force`, as the engines refuse a flush while they run requests."""
+        if self.scheduler.busy and not force:
+            return False
+        self.cache.clear()
+        return True
+
+    def cached_tokens(self, ids: Sequence[int]) -> int:
+        """What a request for `ids` would report as `cached_tokens` now (never the whole prompt)."""
+        size = self.config.block_size
+        return self.cache.match(chain_keys(ids, size, max(0, len(ids) - 1) // size)) * size
+
+    def restart_publisher(self) -> None:
+        """A new engine incarnation behind the relay: empty cache, sequences from 0, streams DATA_LOSS."""
+        self.cache.clear(publish=False)
+        if self.relay is None:
+            return
+        self.relay.restart()
+        if self.relay.startup_clear:
+            self.relay.emit(ClearedAll())
 
     def fail_next(self, code: grpc.StatusCode, after_tokens: int, message: str) -> None:
         self._failures.append(_Failure(code, after_tokens, message))
@@ -400,15 +573,20 @@ class SimCore:
         if self.config.record_requests:
             self.requests.append(received)
         failure = self._failures.popleft() if self._failures else None
-        cached = self._prefix.lookup_and_insert(received.input_ids)
-        run = Run(self, received.request_id, cached, failure)
+        run = Run(self, received.request_id, received.input_ids, failure)
         self._runs[received.request_id] = run
         self.peak_active = max(self.peak_active, len(self._runs))
         return run
 
     def release(self, run: Run) -> None:
+        """The call ended: the scheduler stores the blocks of its prompt and output and frees the rest."""
         if self._runs.get(run.request_id) is run:
             del self._runs[run.request_id]
+        output: Sequence[int] = ()
+        if run.plans:
+            first = run.plans[0]
+            output = first.ids[: first.sent]
+        self.scheduler.leave(run.ticket, output)
 
     def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
@@ -468,6 +646,24 @@ class SimCore:
         return plans
 
 
+@dataclass(frozen=True, slots=True)
+class CacheState:
+    """What the engine's KV cache holds (`RunningSim.cache_state`), for tests and routing oracles."""
+
+    block_size: int
+    capacity_blocks: int
+    #: Distinct cached blocks, and the physical copies of them (vLLM may hold a block twice).
+    blocks: int
+    physical_blocks: int
+    #: Physical blocks running requests use, and the blocks they reserved and have not stored yet.
+    pinned_blocks: int
+    reserved_blocks: int
+    #: Physical blocks evicted since the start.
+    evicted_blocks: int
+    #: The engine hash of every cached block (what its events name).
+    block_hashes: frozenset[int]
+
+
 class RunningSim:
     """A started simulated engine. Use `async with await start_sim_engine(cfg) as sim:`; `stop()` ends it.
 
@@ -522,6 +718,88 @@ class RunningSim:
     ) -> None:
         """Arm a one-shot failure for the next Generate call (call again to arm more, in order)."""
         self._core.fail_next(code, after_tokens, message)
+
+    # -- the KV cache, the scheduler and the event stream (docs/simulated-engine.md, "Cluster twin") --
+
+    def announce_prefix(self, ids: Sequence[int]) -> int:
+        """Store every full block of `ids` without generating, as if another gateway had routed that
+        prompt here: published as Stored like any store, in a batch of its own. Returns the blocks
+        that were new."""
+        stored = self._core.cache.announce(ids)
+        self._core.publish()
+        return stored
+
+    def remove_prefix(self, ids: Sequence[int], *, from_token: int = 0) -> int:
+        """Remove the cached blocks of `ids` from the block holding `from_token` on, and every cached
+        block extending them (not those running requests use): published as Removed, in a batch of its
+        own. Returns the physical blocks removed."""
+        removed = self._core.cache.remove_from(ids, from_token)
+        self._core.publish()
+        return removed
+
+    def flush(self, *, force: bool = False) -> bool:
+        """Empty the cache, published as Cleared in a batch of its own. Refused (False) while requests
+        are in flight, as the engines refuse `FlushCache`, unless `force`."""
+        flushed = self._core.flush(force=force)
+        self._core.publish()
+        return flushed
+
+    def cached_tokens(self, ids: Sequence[int]) -> int:
+        """The `cached_tokens` a request for `ids` would report if admitted now."""
+        return self._core.cached_tokens(ids)
+
+    def cache_state(self) -> CacheState:
+        cache = self._core.cache
+        return CacheState(
+            block_size=cache.block_size,
+            capacity_blocks=cache.capacity_blocks,
+            blocks=len(cache),
+            physical_blocks=cache.physical,
+            pinned_blocks=cache.pinned_physical,
+            reserved_blocks=cache.reserved,
+            evicted_blocks=cache.evicted,
+            block_hashes=frozenset(block.hash for block in cache.blocks()),
+        )
+
+    def load(self) -> LoadFigures:
+        """The figures the load records and `GetLoads` report now."""
+        return self._core.figures()
+
+    def wedge(self) -> None:
+        """Stop all output: requests keep arriving, being admitted and prefilled, but no token or
+        completion leaves until `unwedge()`, so `engine_silence_ms` grows on the load records."""
+        self._core.wedge()
+
+    def unwedge(self) -> None:
+        self._core.unwedge()
+
+    @property
+    def wedged(self) -> bool:
+        return self._core.wedged
+
+    def drop_kv_subscriptions(
+        self,
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        message: str = "simulated KV event stream drop",
+    ) -> int:
+        """End every live `SubscribeKvEvents` stream with `code` (UNAVAILABLE: the subscriber resumes
+        from its last sequence); returns how many were open."""
+        return self._core.relay.drop_subscriptions(code, message) if self._core.relay else 0
+
+    def restart_kv_publisher(self) -> None:
+        """Start the engine over behind its relay: the cache empties, sequences start again at 0 and live
+        streams end with DATA_LOSS (the subscriber clears and resubscribes from zero)."""
+        self._core.restart_publisher()
+
+    @property
+    def kv_sequence(self) -> int | None:
+        """The sequence of the last KV-event batch published (None before the first)."""
+        return self._core.relay.last_sequence if self._core.relay else None
+
+    @property
+    def kv_subscriptions(self) -> int:
+        """Live `SubscribeKvEvents` streams."""
+        return self._core.relay.subscriptions if self._core.relay else 0
 
     async def set_healthy(self, healthy: bool) -> None:
         """Flip HealthCheck and the grpc.health.v1 status (SERVING / NOT_SERVING)."""
@@ -609,12 +887,20 @@ async def serve_forever(config: SimConfig) -> None:
     try:
         sim = await start_sim_engine(config)
         log.warning(
-            "simulated %s engine on %s (model=%s, harmony=%s, mode=%s)",
+            "simulated %s engine on %s (model=%s, harmony=%s, mode=%s, kv: %d-token blocks, %d tokens, "
+            "events %s; timing: prefill %g ms/token, decode %g + %g x running ms/token, window %d)",
             config.engine,
             sim.url,
             config.model,
             config.harmony,
             config.mode,
+            config.block_size,
+            config.kv_capacity_tokens,
+            "on" if config.kv_events and config.engine in _PUBLISHERS else "off",
+            config.prefill_ms_per_token,
+            config.decode_ms_per_token,
+            config.decode_ms_per_running,
+            config.max_running_requests,
         )
         try:
             await stop.wait()
@@ -637,9 +923,9 @@ def parse_kv_transfer_params(text: str) -> dict[str, Any]:
 
 
 __all__ = [
+    "CacheState",
     "ChoicePlan",
     "FrameCache",
-    "PrefixCache",
     "PromptRejected",
     "ReceivedRequest",
     "RunningSim",

@@ -3,16 +3,19 @@
 `admitted` holds a request in the `SimCore` for the length of one Generate call and turns the simulated
 failures into gRPC status codes; `wait_prefill` is the prefill half of a PD pair; `fake_output_logprobs`
 and `model_info_fields` build the parts of the answers whose fields both protocols spell alike.
-`SimServicer` carries the core and the UNIMPLEMENTED answer for RPCs the simulator does not model.
+`SimServicer` carries the core, the RPCs every protocol answers alike (`SubscribeKvEvents` from the
+core's relay, `FlushCache`) and the UNIMPLEMENTED answer for RPCs the simulator does not model;
+`add_with_raw_streams` registers a servicer whose streams may yield pre-serialized frames.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import zipfile
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -20,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from .server import PromptRejected, SimulatedFailure, fake_logprob, fake_top_logprobs
+from .server import (
+    PromptRejected,
+    SimulatedFailure,
+    capture_handlers,
+    fake_logprob,
+    fake_top_logprobs,
+    serialize_response,
+)
 
 if TYPE_CHECKING:
     from .server import ReceivedRequest, Run, SimConfig, SimCore
@@ -117,6 +127,10 @@ async def tokenizer_chunks(
         )
 
 
+#: What the servicers answer when the engine runs without a KV-event publisher.
+KV_EVENTS_DISABLED = "KV cache events not enabled (the simulated engine runs with kv_events off)"
+
+
 class SimServicer:
     """Base of the protocol servicers: holds the `SimCore`."""
 
@@ -126,10 +140,63 @@ class SimServicer:
     async def _unimplemented(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not simulated")
 
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        """The engine's KV events and load records (`kv_relay.KvRelay.serve`), as serialized frames."""
+        relay = self._core.relay
+        if relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, KV_EVENTS_DISABLED)
+            return
+        async for frame in relay.serve(request, context):
+            yield frame
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> common_pb2.FlushCacheResponse:
+        """Empty the KV cache; with requests in flight, wait up to `timeout_s` for the engine to go idle."""
+        core = self._core
+        if request.timeout_s > 0:
+            with suppress(TimeoutError):
+                async with asyncio.timeout(request.timeout_s):
+                    await core.scheduler.idle.wait()
+        if core.flush():
+            return common_pb2.FlushCacheResponse(success=True, message="Cache flushed.")
+        return common_pb2.FlushCacheResponse(
+            success=False, message="Cache not flushed: requests are in flight."
+        )
+
+
+def add_with_raw_streams(
+    add_servicer: Callable[[Any, Any], None],
+    servicer: Any,
+    server: grpc.aio.Server,
+    service_name: str,
+    streams: dict[str, Callable[[bytes], Any]],
+) -> None:
+    """Register `servicer` as the generated `add_servicer` would, except that the server-streaming
+    methods in `streams` (name -> request deserializer) may yield pre-serialized frames."""
+    handlers = capture_handlers(add_servicer, servicer)
+    for name, deserializer in streams.items():
+        handlers[name] = grpc.unary_stream_rpc_method_handler(
+            getattr(servicer, name), request_deserializer=deserializer, response_serializer=serialize_response
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+    server.add_registered_method_handlers(service_name, handlers)
+
+
+#: The KV-event stream's raw-frame registration, for `add_with_raw_streams`.
+KV_EVENT_STREAM: dict[str, Callable[[bytes], Any]] = {
+    "SubscribeKvEvents": common_pb2.SubscribeKvEventsRequest.FromString
+}
+
 
 __all__ = [
+    "KV_EVENTS_DISABLED",
+    "KV_EVENT_STREAM",
     "TOKENIZER_CHUNK",
     "SimServicer",
+    "add_with_raw_streams",
     "admitted",
     "fake_output_logprobs",
     "model_info_fields",

@@ -20,15 +20,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .server import (
-    ChoicePlan,
-    ReceivedRequest,
-    capture_handlers,
-    chunk_spans,
-    serialize_response,
-)
+from .kv_relay import token_usage
+from .server import ChoicePlan, ReceivedRequest, chunk_spans
 from .servicer import (
+    KV_EVENT_STREAM,
     SimServicer,
+    add_with_raw_streams,
     admitted,
     fake_output_logprobs,
     model_info_fields,
@@ -80,9 +77,9 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
         rid = request.request_id
         sp = request.sampling_params
         prompt_tokens = len(ids)
-        cached = run.cached_tokens
         if config.mode == "prefill":
             await wait_prefill(run, config, prompt_tokens)
+            cached = run.cached_tokens
             complete = pb.GenerateComplete(
                 finish_reason="stop", prompt_tokens=prompt_tokens, cached_tokens=cached
             )
@@ -105,6 +102,8 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
             size = max(1, interval if interval > 0 else config.tokens_per_chunk)
             # SGLang sends a request's first token at once, then one message per `stream_interval`.
             first_alone = interval > 0
+            await run.start(plans, every_token=size == 1)
+            cached = run.cached_tokens
             if not want_logprobs:
                 # Pre-serialized frames: a GenerateResponse body without field 1 (request_id) plus that
                 # field's bytes is the whole message, because concatenated protobuf messages merge.
@@ -137,6 +136,7 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                         yield self._complete(rid, plan, tokens, prompt_tokens, cached, logprobs)
         else:
             await run.wait_whole(plans)
+            cached = run.cached_tokens
             if not run.aborted:
                 for plan in plans:
                     plan.done = True
@@ -252,9 +252,13 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 "model_path": config.model,
                 "served_model_name": config.model,
                 "context_length": config.max_context_length,
-                "page_size": 16,
+                "page_size": config.block_size,
+                "max_running_requests": config.max_running_requests,
+                "max_total_tokens": config.kv_capacity_tokens,
             }
         )
+        if core.relay is not None:
+            server_args.update({"kv_events_config": '{"publisher": "zmq"}'})
         return pb.GetServerInfoResponse(
             server_args=server_args,
             active_requests=core.active,
@@ -263,27 +267,41 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
             uptime_seconds=time.time() - core.started_at,
             sglang_version=_VERSION,
             server_type="grpc",
-            max_total_num_tokens=1_000_000,
+            max_total_num_tokens=core.cache.capacity_blocks * config.block_size,
         )
 
     async def GetLoads(
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetLoadsResponse:
-        active = self._core.active
+        figures = self._core.figures()
+        usage, _ = token_usage(figures, "sglang")
         load = pb.SchedulerLoad(
             dp_rank=0,
-            num_running_reqs=active,
-            num_waiting_reqs=0,
-            num_total_reqs=active,
-            max_total_num_tokens=1_000_000,
-            max_running_requests=1024,
+            num_running_reqs=figures.running,
+            num_waiting_reqs=figures.waiting,
+            num_total_reqs=figures.running + figures.waiting,
+            num_used_tokens=int(usage * figures.capacity_tokens),
+            max_total_num_tokens=figures.capacity_tokens,
+            token_usage=usage,
+            gen_throughput=figures.gen_throughput,
+            cache_hit_rate=figures.cache_hit_rate,
+            utilization=usage,
+            max_running_requests=figures.max_running_requests,
+            num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
         )
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(),
             version=_VERSION,
             dp_rank_count=1,
             loads=[load],
-            aggregate=pb.AggregateMetrics(total_running_reqs=active, total_reqs=active),
+            aggregate=pb.AggregateMetrics(
+                total_running_reqs=figures.running,
+                total_waiting_reqs=figures.waiting,
+                total_reqs=figures.running + figures.waiting,
+                avg_token_usage=usage,
+                avg_throughput=figures.gen_throughput,
+                avg_utilization=usage,
+            ),
         )
 
     async def GetTokenizer(
@@ -294,10 +312,8 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
 
     _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
-    FlushCache = _unimplemented
     StartProfile = _unimplemented
     StopProfile = _unimplemented
-    SubscribeKvEvents = _unimplemented
     LoadLoRAAdapter = _unimplemented
     UnloadLoRAAdapter = _unimplemented
     ListLoadedLoRAAdapters = _unimplemented
@@ -316,15 +332,15 @@ def _varint(value: int) -> bytes:
 
 
 def add_to_server(servicer: SimSglangScheduler, server: grpc.aio.Server) -> None:
-    """Register like the generated helper, but Generate may also yield pre-serialized frames."""
-    handlers = capture_handlers(pb_grpc.add_SglangSchedulerServicer_to_server, servicer)
-    handlers["Generate"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Generate,
-        request_deserializer=pb.GenerateRequest.FromString,
-        response_serializer=serialize_response,
+    """Register like the generated helper, but Generate and SubscribeKvEvents may also yield
+    pre-serialized frames."""
+    add_with_raw_streams(
+        pb_grpc.add_SglangSchedulerServicer_to_server,
+        servicer,
+        server,
+        SERVICE_NAME,
+        {"Generate": pb.GenerateRequest.FromString, **KV_EVENT_STREAM},
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 __all__ = ["SERVICE_NAME", "SimSglangScheduler", "add_to_server", "output_logprobs"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -18,9 +19,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2 as pb
 from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
 
+from .kv_relay import token_usage
 from .server import ChoicePlan, ReceivedRequest, Run
 from .servicer import (
+    KV_EVENT_STREAM,
     SimServicer,
+    add_with_raw_streams,
     admitted,
     fake_output_logprobs,
     model_info_fields,
@@ -63,9 +67,9 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
         rid = request.request_id
         sp = request.sampling_params
         prompt_tokens = len(ids)
-        cached = run.cached_tokens
         if config.mode == "prefill":
             await wait_prefill(run, config, prompt_tokens)
+            cached = run.cached_tokens
             yield pb.GenerateResponse(
                 request_id=rid,
                 complete=pb.GenerateComplete(
@@ -83,6 +87,8 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
         want = request.return_logprob
         top = request.top_logprobs_num if want else 0
         if request.stream:
+            await run.start(plans, every_token=config.tokens_per_chunk == 1)
+            cached = run.cached_tokens
             async for step in run.stream_steps(plans, config.tokens_per_chunk):
                 plan = step.plan
                 tokens = plan.visible(step.start, step.end)
@@ -100,6 +106,7 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
                     yield self._complete(rid, plan, tokens, prompt_tokens, cached, logprobs)
         else:
             await run.wait_whole(plans)
+            cached = run.cached_tokens
             if not run.aborted:
                 for plan in plans:
                     plan.done = True
@@ -166,6 +173,8 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
                 "disaggregation_bootstrap_port": config.bootstrap_port,
                 "served_model_name": config.model,
                 "context_length": config.max_context_length,
+                "page_size": config.block_size,
+                "max_running_requests": config.max_running_requests,
             }
         )
         return pb.GetServerInfoResponse(
@@ -175,6 +184,30 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
             tokenspeed_version="sim-0.1",
         )
 
+    async def GetLoads(
+        self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetLoadsResponse:
+        figures = self._core.figures()
+        usage, active = token_usage(figures, "tokenspeed")
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=figures.running,
+            num_waiting_reqs=figures.waiting,
+            num_total_reqs=figures.running + figures.waiting,
+            num_used_tokens=figures.used_tokens,
+            max_total_num_tokens=figures.capacity_tokens,
+            max_running_requests=figures.max_running_requests,
+            num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
+            token_usage=usage,
+            active_token_usage=active,
+            gen_throughput=figures.gen_throughput,
+            cache_hit_rate=figures.cache_hit_rate,
+            utilization=usage,
+        )
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(), version="sim-0.1", dp_rank_count=1, loads=[load]
+        )
+
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
@@ -182,15 +215,14 @@ class SimTokenSpeedScheduler(SimServicer, pb_grpc.TokenSpeedSchedulerServicer):
             yield chunk
 
     _unimplemented = SimServicer._unimplemented
-    GetLoads = _unimplemented
-    FlushCache = _unimplemented
     StartProfile = _unimplemented
     StopProfile = _unimplemented
-    SubscribeKvEvents = _unimplemented
 
 
 def add_to_server(servicer: SimTokenSpeedScheduler, server: grpc.aio.Server) -> None:
-    pb_grpc.add_TokenSpeedSchedulerServicer_to_server(servicer, server)
+    add_with_raw_streams(
+        pb_grpc.add_TokenSpeedSchedulerServicer_to_server, servicer, server, SERVICE_NAME, KV_EVENT_STREAM
+    )
 
 
 __all__ = ["SERVICE_NAME", "SimTokenSpeedScheduler", "add_to_server"]

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import trtllm_service_pb2 as pb
 from smg_grpc_proto.generated import trtllm_service_pb2_grpc as pb_grpc
 
 from .server import ChoicePlan, ReceivedRequest, Run, fake_logprob
-from .servicer import SimServicer, admitted, tokenizer_chunks
+from .servicer import KV_EVENT_STREAM, SimServicer, add_with_raw_streams, admitted, tokenizer_chunks
 
 SERVICE_NAME = "trtllm.TrtllmService"
 
@@ -79,8 +79,9 @@ class SimTrtllmService(SimServicer, pb_grpc.TrtllmServiceServicer):
         for plan in plans:
             plan.hide_last = plan.matched_token_id is not None and not request.include_stop_token_in_output
         prompt_tokens = len(ids)
-        cached = run.cached_tokens
         if request.streaming:
+            await run.start(plans, every_token=core.config.tokens_per_chunk == 1)
+            cached = run.cached_tokens
             async for step in run.stream_steps(plans, core.config.tokens_per_chunk):
                 plan = step.plan
                 tokens = plan.visible(step.start, step.end)
@@ -99,6 +100,7 @@ class SimTrtllmService(SimServicer, pb_grpc.TrtllmServiceServicer):
                     yield self._complete(rid, plan, [], prompt_tokens, cached, want=False)
         else:
             await run.wait_whole(plans)
+            cached = run.cached_tokens
             if not run.aborted:
                 for plan in plans:
                     plan.done = True
@@ -151,7 +153,7 @@ class SimTrtllmService(SimServicer, pb_grpc.TrtllmServiceServicer):
             model_id=config.model,
             max_input_len=config.max_context_length,
             max_seq_len=config.max_context_length,
-            max_batch_size=256,
+            max_batch_size=config.max_running_requests,
             vocab_size=201088 if config.harmony else 32000,
         )
 
@@ -168,11 +170,12 @@ class SimTrtllmService(SimServicer, pb_grpc.TrtllmServiceServicer):
 
     _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
-    SubscribeKvEvents = _unimplemented
 
 
 def add_to_server(servicer: SimTrtllmService, server: grpc.aio.Server) -> None:
-    pb_grpc.add_TrtllmServiceServicer_to_server(servicer, server)
+    add_with_raw_streams(
+        pb_grpc.add_TrtllmServiceServicer_to_server, servicer, server, SERVICE_NAME, KV_EVENT_STREAM
+    )
 
 
 __all__ = ["SERVICE_NAME", "SimTrtllmService", "add_to_server"]

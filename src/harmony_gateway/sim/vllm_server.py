@@ -26,15 +26,12 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .server import (
-    PREFIX_PAGE,
-    ChoicePlan,
-    PromptRejected,
-    ReceivedRequest,
-    parse_kv_transfer_params,
-)
+from .kv_relay import token_usage
+from .server import ChoicePlan, PromptRejected, ReceivedRequest, parse_kv_transfer_params
 from .servicer import (
+    KV_EVENT_STREAM,
     SimServicer,
+    add_with_raw_streams,
     admitted,
     fake_output_logprobs,
     model_info_fields,
@@ -99,16 +96,17 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
         config = core.config
         sp = request.sampling_params
         prompt_tokens = len(ids)
-        cached = run.cached_tokens
         if config.mode == "prefill":
             await wait_prefill(run, config, prompt_tokens)
+            cached = run.cached_tokens
+            block = config.block_size
             handoff = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "remote_engine_id": f"sim-{config.host}-{config.bootstrap_port}",
                 "remote_host": config.host,
                 "remote_port": config.bootstrap_port,
-                "remote_block_ids": list(range((prompt_tokens + PREFIX_PAGE - 1) // PREFIX_PAGE)),
+                "remote_block_ids": list(range((prompt_tokens + block - 1) // block)),
                 "tp_size": 1,
             }
             if request.stream:
@@ -133,6 +131,8 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
         want_logprobs = sp.HasField("logprobs")
         top = (_ALL_LOGPROBS if sp.logprobs < 0 else sp.logprobs) if want_logprobs else 0
         if request.stream:
+            await run.start(plans, every_token=config.tokens_per_chunk == 1)
+            cached = run.cached_tokens
             async for step in run.stream_steps(plans, config.tokens_per_chunk):
                 plan = step.plan
                 tokens = plan.visible(step.start, step.end)
@@ -159,6 +159,7 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
                     yield self._aborted(plan, prompt_tokens, cached)
             return
         await run.wait_whole(plans)
+        cached = run.cached_tokens
         for plan in plans:
             if run.aborted:
                 yield self._aborted(plan, prompt_tokens, cached)
@@ -231,14 +232,28 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
             kv_role={"prefill": "kv_producer", "decode": "kv_consumer"}.get(config.mode, ""),
             kv_engine_id=f"sim-{config.host}-{config.bootstrap_port}" if pd else "",
             data_parallel_size=1,
-            max_num_seqs=1024,
+            max_num_seqs=config.max_running_requests,
         )
 
     async def GetLoads(
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetLoadsResponse:
-        active = self._core.active
-        load = pb.SchedulerLoad(dp_rank=0, num_running_reqs=active, num_total_reqs=active)
+        figures = self._core.figures()
+        usage, _ = token_usage(figures, "vllm")
+        load = pb.SchedulerLoad(
+            dp_rank=0,
+            num_running_reqs=figures.running,
+            num_waiting_reqs=figures.waiting,
+            num_total_reqs=figures.running + figures.waiting,
+            num_used_tokens=int(usage * figures.capacity_tokens),
+            max_total_num_tokens=figures.capacity_tokens,
+            token_usage=usage,
+            gen_throughput=figures.gen_throughput,
+            cache_hit_rate=figures.cache_hit_rate,
+            utilization=usage,
+            max_running_requests=figures.max_running_requests,
+            num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
+        )
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(), version=_VERSION, dp_rank_count=1, loads=[load]
         )
@@ -251,14 +266,14 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
 
     _unimplemented = SimServicer._unimplemented
     Embed = _unimplemented
-    FlushCache = _unimplemented
     StartProfile = _unimplemented
     StopProfile = _unimplemented
-    SubscribeKvEvents = _unimplemented
 
 
 def add_to_server(servicer: SimVllmEngine, server: grpc.aio.Server) -> None:
-    pb_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    add_with_raw_streams(
+        pb_grpc.add_VllmEngineServicer_to_server, servicer, server, SERVICE_NAME, KV_EVENT_STREAM
+    )
 
 
 __all__ = ["SERVICE_NAME", "SimVllmEngine", "add_to_server", "output_logprobs"]
