@@ -13,6 +13,7 @@ from ..pipeline.context import GatewayState
 from ..storage.base import Order, Page, StoredConversation
 from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
+from ..surfaces.responses.objects import complete_response
 from ..surfaces.responses.service import cancel_response
 from ..surfaces.responses.types import (
     ConversationCreate,
@@ -110,7 +111,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     after = _starting_after(request) if stream else -1
     record = _found(await state.store.get_response(response_id, owner), "Response", response_id)
     if not stream:
-        return json_response(record.response)
+        return json_response(complete_response(record.response))
     if not record.background:
         # Only background responses keep an event log (OpenAI answers 400 here too).
         raise InvalidRequest(
