@@ -8,9 +8,12 @@ clients); the disagreements are listed, with the reason, in `OPEN_RESPONSES_EXCE
   `response.reasoning.delta`; events Open Responses does not define are checked against OpenAI's only;
 - the `error` event: OpenAI puts `code`, `message` and `param` on the event, Open Responses nests them
   in `error`; the gateway sends both shapes, so each schema finds its own;
-- output items and tools Open Responses does not define (MCP, web search, code interpreter, custom and
-  local shell tools) are checked against OpenAI's schema only: its unions are closed, so they are opened
-  here to the types it has no schema for.
+- output items, tools and tool choices Open Responses does not define (MCP, web search, code
+  interpreter, custom and local shell tools) are checked against OpenAI's schema only: its unions are
+  closed, so they are opened here to the types it has no schema for;
+- an echoed `json_schema` text format: Open Responses wants `schema` null and `description` present in a
+  Response, OpenAI wants the schema object and no null description; the gateway echoes the format as
+  the request sent it, checked against OpenAI's schema only.
 """
 
 from __future__ import annotations
@@ -126,16 +129,25 @@ def open_responses() -> Document:
     contents = _load(SCHEMAS / "openresponses" / "openapi.json")
     schemas = contents["components"]["schemas"]
     doc = Document("urn:open-responses", contents)
-    # Open its closed unions to the item and tool types it has no schema for (module docstring).
+    # Open its closed unions to the item, tool and tool choice types it has no schema for, and leave the
+    # echoed json_schema format to OpenAI's schema (module docstring).
     for union in ("ItemField", "Tool"):
-        known = list(doc.variants_by_type(schemas[union]["oneOf"]))
-        schemas[union] = {
-            "anyOf": [
-                {"oneOf": schemas[union]["oneOf"]},
-                {"type": "object", "required": ["type"], "properties": {"type": {"not": {"enum": known}}}},
-            ]
-        }
+        schemas[union] = _opened(doc, schemas[union])
+    resource = schemas["ResponseResource"]["properties"]
+    resource["tool_choice"] = _opened(doc, resource["tool_choice"])
+    schemas["JsonSchemaResponseFormat"] = {
+        "type": "object",
+        "required": ["type"],
+        "properties": {"type": {"enum": ["json_schema"]}},
+    }
     return doc
+
+
+def _opened(doc: Document, union: dict[str, Any]) -> dict[str, Any]:
+    """`union` (a `oneOf` of `$ref`s, strings among them) also accepting objects of any other `type`."""
+    known = list(doc.variants_by_type([v for v in union["oneOf"] if "$ref" in v]))
+    other = {"type": "object", "required": ["type"], "properties": {"type": {"not": {"enum": known}}}}
+    return {"anyOf": [{"oneOf": union["oneOf"]}, other]}
 
 
 @cache

@@ -95,6 +95,42 @@ def test_the_envelope_echoes_sampling_as_applied_and_identifiers_as_sent() -> No
     assert envelope(text={"verbosity": "low"})["text"] == {"format": {"type": "text"}, "verbosity": "low"}
 
 
+@pytest.mark.parametrize(
+    "request_fields",
+    [
+        {"tool_choice": {"type": "mcp", "server_label": "docs"}},
+        {"tool_choice": {"type": "web_search_preview"}},
+        {"tool_choice": {"type": "custom", "name": "apply_patch"}},
+        {"tool_choice": {"type": "function", "name": "plain"}},
+        {
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "auto",
+                "tools": [{"type": "function", "name": "f"}],
+            }
+        },
+        {
+            "text": {
+                "format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
+            }
+        },
+        {"text": {"format": {"type": "json_object"}}},
+        {
+            "reasoning": {"effort": "low", "summary": "auto"},
+            "truncation": "auto",
+            "max_tool_calls": 3,
+            "max_output_tokens": 100,
+            "instructions": "Be brief.",
+            "previous_response_id": "resp_0",
+            "parallel_tool_calls": False,
+        },
+        {"conversation": "conv_1"},
+    ],
+)
+def test_echoed_request_fields_are_valid(request_fields: dict[str, Any]) -> None:
+    assert_valid_response(response_snapshot(envelope(tools=TOOLS, **request_fields), "completed", [], None))
+
+
 def test_tools_are_echoed_complete_and_without_secrets() -> None:
     echoed = echoed_tools(TOOLS)
     assert echoed[0] == {
