@@ -194,6 +194,19 @@ async def test_input_items_as_listed(http: httpx.AsyncClient) -> None:
     listing = (await http.get(f"/responses/{r['id']}/input_items")).json()
     assert len(listing["data"]) == 8
     assert_valid("ResponseItemList", listing)
+    # A reference is listed as the item it points at.
+    answer = r["output"][-1]
+    follow = await post(
+        http,
+        {
+            "model": MODEL,
+            "previous_response_id": r["id"],
+            "input": [{"type": "item_reference", "id": answer["id"]}, {"role": "user", "content": "Again?"}],
+        },
+    )
+    listing = (await http.get(f"/responses/{follow['id']}/input_items")).json()
+    assert_valid("ResponseItemList", listing)
+    assert answer in listing["data"]
 
 
 async def test_incomplete_by_max_output_tokens(http: httpx.AsyncClient) -> None:

@@ -130,6 +130,17 @@ class ResponsePlan:
     seal_reasoning: Callable[[str], str] | None = None
     #: The generation under way (None between generations).
     turn: Turn | None = None
+    #: The items this input's `item_reference`s point at, by id.
+    references: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def listed_inputs(self) -> list[dict[str, Any]]:
+        """The input items as `input_items` lists them: a reference as the item it points at."""
+        if not self.references:
+            return self.input_items
+        return [
+            self.references.get(item["id"], item) if item.get("type") == "item_reference" else item
+            for item in self.input_items
+        ]
 
     def start_turn(self, encoding: Any) -> Turn:
         """A new generation of this response: its own Harmony parser, counted in `iterations`."""
@@ -388,10 +399,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     call_names = call_names_of([*known_items, *items])
     by_id = {item.get("id"): item for item in known_items if item.get("id")}
 
+    references: dict[str, dict[str, Any]] = {}
+
     def resolve(item_id: str, where: str) -> dict[str, Any]:
         item = by_id.get(item_id)
         if item is None:
             raise NotFound(f"item {item_id!r} not found", param=f"{where}.id")
+        references[item_id] = item
         return item
 
     if conversation_items:
@@ -490,6 +504,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             owner=ctx.owner,
             prepared=prepared,
             input_items=items,
+            references=references,
             turn_messages=turn,
             envelope=envelope,
             conversation_id=conversation_id,
