@@ -345,6 +345,10 @@ async def test_conversation_objects(http: httpx.AsyncClient) -> None:
     assert_valid("ConversationItem", (await http.get(f"/conversations/{cid}/items/{item_id}")).json())
     for item in listing["data"]:
         assert_valid("ConversationItem", item)
+    refused = await http.post(
+        f"/conversations/{cid}/items", json={"items": [{"type": "item_reference", "id": item_id}]}
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "items[0].type"
     deleted_item = await http.delete(f"/conversations/{cid}/items/{item_id}")
     assert_valid("ConversationResource", deleted_item.json())
     deleted = await http.delete(f"/conversations/{cid}")

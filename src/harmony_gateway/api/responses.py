@@ -161,7 +161,7 @@ def _conversation_body(conv: StoredConversation) -> dict[str, Any]:
 async def create_conversation(request: Request) -> Response:
     state, owner = _caller(request)
     req = ConversationCreate.model_validate(await json_body(request))
-    items = normalize_items(req.items or [], param="items")
+    items = normalize_items(req.items or [], param="items", references=False)
     conv = StoredConversation(
         id=new_id("conv"), owner=owner, created_at=int(time.time()), metadata=req.metadata or {}
     )
@@ -211,7 +211,7 @@ async def list_items(conversation_id: str, request: Request) -> Response:
 async def add_items(conversation_id: str, request: Request) -> Response:
     state, owner = _caller(request)
     req = ConversationItemsCreate.model_validate(await json_body(request))
-    items = normalize_items(req.items, param="items")
+    items = normalize_items(req.items, param="items", references=False)
     added = await state.store.add_conversation_items(
         conversation_id, owner, items, limits=state.settings.conversation_limits
     )

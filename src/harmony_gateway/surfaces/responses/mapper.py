@@ -78,8 +78,11 @@ def _output_part(part: dict[str, Any]) -> dict[str, Any]:
     return {"annotations": [], "logprobs": [], **part}
 
 
-def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") -> list[dict[str, Any]]:
-    """Input as item dicts with ids and list-of-parts content. Raises InvalidRequest naming the field."""
+def normalize_items(
+    raw: str | list[dict[str, Any]], *, param: str = "input", references: bool = True
+) -> list[dict[str, Any]]:
+    """Input as item dicts with ids and list-of-parts content. Raises InvalidRequest naming the field;
+    `item_reference`s only with `references` (a conversation stores items, never pointers to them)."""
     if isinstance(raw, str):
         return [
             {
@@ -163,6 +166,11 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 raise InvalidRequest(
                     "mcp_approval_response items need a boolean 'approve'", param=f"{where}.approve"
                 )
+        elif kind == "item_reference" and not references:
+            raise InvalidRequest(
+                "conversation items are stored as sent: send the item itself, not an item_reference",
+                param=f"{where}.type",
+            )
         elif kind == "item_reference" and not isinstance(item.get("id"), str):
             raise InvalidRequest("item_reference items need an 'id'", param=f"{where}.id")
         _check_field_types(kind, item, where)
