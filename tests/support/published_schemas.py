@@ -3,9 +3,11 @@ schemas, vendored in tests/data/schemas/: OpenAI's OpenAPI document (its Respons
 Open Responses specification. Both are OpenAPI 3.1, whose schemas are JSON Schema 2020-12.
 
 Every check runs both documents. Where they disagree, OpenAI's wins (the gateway serves OpenAI's
-clients); the disagreements are listed, with the reason, in `OPEN_RESPONSES_EXCEPTIONS`:
+clients). The disagreements, each with what is done about it:
 - event names: OpenAI streams `response.reasoning_text.delta`, Open Responses names it
-  `response.reasoning.delta`; events Open Responses does not define are checked against OpenAI's only;
+  `response.reasoning.delta` (`RENAMED_EVENTS`); the gateway sends OpenAI's names, and the events are
+  checked against Open Responses under its own names. Events Open Responses does not define (MCP, tool
+  calls other than functions) are checked against OpenAI's only;
 - the `error` event: OpenAI puts `code`, `message` and `param` on the event, Open Responses nests them
   in `error`; the gateway sends both shapes, so each schema finds its own;
 - output items, tools and tool choices Open Responses does not define (MCP, web search, code
@@ -13,7 +15,9 @@ clients); the disagreements are listed, with the reason, in `OPEN_RESPONSES_EXCE
   closed, so they are opened here to the types it has no schema for;
 - an echoed `json_schema` text format: Open Responses wants `schema` null and `description` present in a
   Response, OpenAI wants the schema object and no null description; the gateway echoes the format as
-  the request sent it, checked against OpenAI's schema only.
+  the request sent it, checked against OpenAI's schema only;
+- `usage` before a response ends: OpenAI's schema has no null for it, Open Responses requires the
+  field; the gateway sends an object on every snapshot, which both accept.
 """
 
 from __future__ import annotations
@@ -163,10 +167,10 @@ def open_responses_events() -> dict[str, str]:
     return doc.variants_by_type(stream["schema"]["oneOf"])
 
 
-#: Where Open Responses and OpenAI disagree, OpenAI's schema is followed: why, per case.
-OPEN_RESPONSES_EXCEPTIONS = {
-    "response.reasoning_text.delta": "OpenAI's name; Open Responses calls it response.reasoning.delta",
-    "response.reasoning_text.done": "OpenAI's name; Open Responses calls it response.reasoning.done",
+#: Events OpenAI and Open Responses name differently: OpenAI's name -> Open Responses'.
+RENAMED_EVENTS = {
+    "response.reasoning_text.delta": "response.reasoning.delta",
+    "response.reasoning_text.done": "response.reasoning.done",
 }
 
 
@@ -186,9 +190,11 @@ def event_problems(event: Any) -> list[str]:
     if name is None:
         return [f"event type {kind!r} is not a ResponseStreamEvent of OpenAI's schema"]
     out = openai().problems(name, event)
-    theirs = open_responses_events().get(kind)
+    renamed = RENAMED_EVENTS.get(kind)
+    theirs = open_responses_events().get(renamed or kind)
     if theirs is not None:
-        out.extend(f"Open Responses {p}" for p in open_responses().problems(theirs, event))
+        as_theirs = {**event, "type": renamed} if renamed else event
+        out.extend(f"Open Responses {p}" for p in open_responses().problems(theirs, as_theirs))
     return out
 
 
