@@ -32,6 +32,7 @@ from .base import (
 )
 from .grpc_errors import map_grpc_errors
 from .kv_events import EngineLoad, KvBatch
+from .kv_wire import LOAD_SECTIONS, kv_event_stream, loads_answer
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -249,12 +250,21 @@ class GrpcEngineClient:
         raise UpstreamError(f"the {self.engine} engine at {self.url} has no server info")
 
     def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
-        """Overridden by engines whose `capabilities.kv_events` is set."""
-        raise UpstreamError(f"the {self.engine} engine at {self.url} publishes no KV events")
+        """`SubscribeKvEvents` (the same `common.proto` messages on every wire that has it), on engines
+        whose `capabilities.kv_events` is set; see `kv_wire.kv_event_stream`."""
+        if not self.capabilities.kv_events:
+            raise UpstreamError(f"the {self.engine} engine at {self.url} publishes no KV events")
+        return kv_event_stream(self._stub.SubscribeKvEvents, self.url, start_sequence, call_metadata())
 
     async def loads(self, timeout: float) -> EngineLoad:
-        """Overridden by engines whose `capabilities.loads` is set."""
-        raise UpstreamError(f"the {self.engine} engine at {self.url} reports no load")
+        """`GetLoads` (core figures, ranks combined), on engines whose `capabilities.loads` is set."""
+        if not self.capabilities.loads:
+            raise UpstreamError(f"the {self.engine} engine at {self.url} reports no load")
+        with map_grpc_errors(self.url):
+            answer = await self._stub.GetLoads(
+                self._pb.GetLoadsRequest(include=LOAD_SECTIONS), timeout=timeout
+            )
+        return loads_answer(answer)
 
     async def model_info(self, timeout: float = 10.0) -> ModelInfo:
         with map_grpc_errors(self.url):
