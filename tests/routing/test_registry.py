@@ -36,6 +36,7 @@ def test_exported_members() -> None:
         "consistent_hash",
         "fleet",
         "health",
+        "kv_index",
         "policy",
         "power_of_two",
         "random_policy",

@@ -9,6 +9,7 @@ between the processes through storage.
 from .cache_aware import CacheAwarePolicy
 from .consistent_hash import ConsistentHashPolicy
 from .health import BreakerConfig, HealthChecker, HealthConfig, record_failure, record_probe, record_success
+from .kv_index import KvIndex
 from .policy import RoutingPolicy, RoutingRequest, available_workers
 from .power_of_two import PowerOfTwoPolicy
 from .random_policy import RandomPolicy
@@ -25,6 +26,7 @@ __all__ = [
     "ConsistentHashPolicy",
     "HealthChecker",
     "HealthConfig",
+    "KvIndex",
     "PowerOfTwoPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
