@@ -37,6 +37,7 @@ def test_exported_members() -> None:
         "fleet",
         "health",
         "kv_index",
+        "kv_subscriptions",
         "policy",
         "power_of_two",
         "random_policy",

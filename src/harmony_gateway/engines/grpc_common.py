@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -249,7 +249,7 @@ class GrpcEngineClient:
         """Overridden by engines whose `capabilities.server_info` is set."""
         raise UpstreamError(f"the {self.engine} engine at {self.url} has no server info")
 
-    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncGenerator[KvBatch, None]:
         """`SubscribeKvEvents` (the same `common.proto` messages on every wire that has it), on engines
         whose `capabilities.kv_events` is set; see `kv_wire.kv_event_stream`."""
         if not self.capabilities.kv_events:

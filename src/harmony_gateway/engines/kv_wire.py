@@ -21,7 +21,7 @@ it does not hand on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
 
 import grpc
@@ -224,7 +224,7 @@ def mapping_stream_errors(url: str) -> Iterator[None]:
 
 async def kv_event_stream(
     subscribe: Callable[..., Any], url: str, start_sequence: int, metadata: Any = None
-) -> AsyncIterator[KvBatch]:
+) -> AsyncGenerator[KvBatch, None]:
     """Call `subscribe` (a stub's `SubscribeKvEvents`) from `start_sequence`, taking load records before
     the publisher's first batch, and yield its batches as `KvBatch`es until the server ends the stream.
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..observability.metrics import GatewayMetrics
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.health import HealthConfig
+    from ..routing.kv_subscriptions import KvSubscriptions
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
@@ -113,6 +114,9 @@ class GatewayState:
     tokenizer_loads: dict[str, asyncio.Task[ModelTokenizer]] = field(default_factory=dict)
     #: Chooses `stream_interval` under `--stream-interval auto` (pipeline/stream_interval.py).
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
+    #: Follows the engines' KV events and loads into each worker's index and load record
+    #: (routing/kv_subscriptions.py); its feeds run on `tasks`.
+    kv_subscriptions: KvSubscriptions | None = None
 
 
 log = logging.getLogger(__name__)

@@ -3,13 +3,15 @@
 `create_policy(name, **options)` builds a `RoutingPolicy` from the `POLICIES` table; `HealthChecker`
 runs in the app's lifespan task group; the pipeline reports request outcomes with `record_success` /
 `record_failure`. Under `serve --workers N`, `SharedWorkers` shares registered workers and their health
-between the processes through storage.
+between the processes through storage. `KvSubscriptions` follows each worker's engine: its KV events into
+a `KvIndex`, its pushed loads and silence onto the worker.
 """
 
 from .cache_aware import CacheAwarePolicy
 from .consistent_hash import ConsistentHashPolicy
 from .health import BreakerConfig, HealthChecker, HealthConfig, record_failure, record_probe, record_success
 from .kv_index import KvIndex
+from .kv_subscriptions import FeedConfig, KvSubscriptions
 from .policy import RoutingPolicy, RoutingRequest, available_workers
 from .power_of_two import PowerOfTwoPolicy
 from .random_policy import RandomPolicy
@@ -24,9 +26,11 @@ __all__ = [
     "BreakerState",
     "CacheAwarePolicy",
     "ConsistentHashPolicy",
+    "FeedConfig",
     "HealthChecker",
     "HealthConfig",
     "KvIndex",
+    "KvSubscriptions",
     "PowerOfTwoPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",
