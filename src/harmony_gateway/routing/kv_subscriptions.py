@@ -298,10 +298,10 @@ class WorkerFeed:
             self._stream_scope = None
             if self._snapshot_rank is not None:
                 # Chunks stopped arriving: the rank's record is partial; the next subscription asks from 0.
-                self.cursors.pop(self._snapshot_rank, None)
                 if self.index is not None:
                     self.index.mark(self._snapshot_rank, False)
                 self._snapshot_rank = None
+                self._resync_asked = True
             self._set_wedged(False, None)  # no records to judge the engine by until the next stream
             self._notify()
             if end is _End.LOST:
