@@ -111,6 +111,23 @@ async def test_a_worker_is_followed_from_joining_to_leaving() -> None:
         assert f.subs.feeds == {}
 
 
+async def test_a_detected_engine_is_followed_once_its_protocol_is_known() -> None:
+    async with running_publisher() as publisher:
+        tasks = TaskSupervisor()
+        fleet = Fleet(
+            lambda url, engine: create_client(url, engine), lambda m, r: create_policy("round_robin")
+        )
+        subs = KvSubscriptions(tasks, FAST)
+        subs.attach(fleet)
+        try:
+            worker = await fleet.admit(publisher.url)  # --engine auto: detected by the first probe
+            assert worker.engine == "sglang" and worker.id in subs.feeds
+            assert (await publisher.subscription(1)).start == 0
+        finally:
+            await tasks.aclose()
+            await fleet.close()
+
+
 async def test_batches_build_the_index_and_replays_are_dropped() -> None:
     async with following() as f:
         sub = await f.publisher.subscription(1)
