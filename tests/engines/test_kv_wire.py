@@ -76,6 +76,8 @@ def test_a_store_keeps_its_chain_tokens_and_namespace() -> None:
 def test_only_the_engines_own_prefix_cache_is_indexable(fields: dict[str, object], indexable: bool) -> None:
     [event] = convert(pb.KvCacheEvent(stored=stored(**fields))).events
     assert isinstance(event, BlocksStored) and event.indexable is indexable
+    assert event.hashes == (-5, -4, -3)
+    assert event.token_ids == (tuple(map(tuple, TOKENS)) if indexable else ())  # nothing reads them then
 
 
 def test_an_untiered_block_on_another_cache_level_is_not_indexable() -> None:

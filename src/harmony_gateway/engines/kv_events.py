@@ -40,7 +40,8 @@ from ..errors import UpstreamError
 class BlocksStored(NamedTuple):
     #: Engine hash of each stored block, in chain order.
     hashes: tuple[int, ...]
-    #: Token ids of each block (`len(token_ids[i])` is that block's size).
+    #: Token ids of each block (`len(token_ids[i])` is that block's size); empty when the store is not
+    #: `indexable` (the engine clients leave out what nothing reads).
     token_ids: tuple[tuple[int, ...], ...]
     #: Engine hash of the first block's parent; None when the first block starts a prompt.
     parent_hash: int | None

@@ -82,19 +82,24 @@ def _main_group(message: Any, groups: dict[int, bool], kind: str) -> bool:
 
 
 def blocks_stored(stored: Any, groups: dict[int, bool]) -> BlocksStored:
-    """A `KvBlocksStored` as `BlocksStored`."""
-    hashes = []
-    token_ids = []
-    for block in stored.blocks:
-        hashes.append(block.block_hash)
-        token_ids.append(tuple(block.token_ids[:]))  # slicing copies in C; iterating the field does not
+    """A `KvBlocksStored` as `BlocksStored`. The token ids of a store that is not indexable are left
+    out (`token_ids` is empty): nothing reads them, and they are most of what converting costs."""
+    blocks = stored.blocks
     tier = stored.tier
     kind = stored.kv_cache_spec_kind
     indexable = (
-        (tier == _DEVICE or (tier == _UNSET and not (token_ids and stored.blocks[0].cache_level)))
+        (tier == _DEVICE or (tier == _UNSET and not (blocks and blocks[0].cache_level)))
         and stored.locality in _LOCALITIES
         and (_main_group(stored, groups, kind) if kind or groups else True)
     )
+    hashes = []
+    token_ids = []
+    if indexable:
+        for block in blocks:
+            hashes.append(block.block_hash)
+            token_ids.append(tuple(block.token_ids[:]))  # slicing copies in C; iterating does not
+    else:
+        hashes = [block.block_hash for block in blocks]
     return _new(
         BlocksStored,
         (
