@@ -364,7 +364,7 @@ class WorkerFeed:
                         self.worker.kv_index = self.index
                         if start == 0 and self._resync_asked:
                             log.info("worker %s: resubscribed from 0 to resync its KV index", self.worker.id)
-                    if self._on_batch(batch):
+                    if self.apply_batch(batch):
                         end = _End.RESYNC
                         break
             except KvStreamLost:
@@ -383,8 +383,9 @@ class WorkerFeed:
         return delivered, end
 
     # -- batches ---------------------------------------------------------------------------------------
-    def _on_batch(self, batch: KvBatch) -> bool:
-        """Apply one batch; True asks the caller to resubscribe from 0 (a gap to resync)."""
+    def apply_batch(self, batch: KvBatch) -> bool:
+        """Apply one batch as it arrived on the stream (its load record, then its events through the
+        rank's cursor); True asks the caller to resubscribe from 0 (a gap to resync)."""
         now = self._clock()
         self.last_batch_at = now
         if batch.timestamp > 0:
