@@ -204,8 +204,10 @@ class KvIndex:
         return matched * size
 
     # -- what the subscriber feeds --------------------------------------------------------------------
-    def apply(self, events: Iterable[KvEvent], rank: int = 0) -> None:
-        """Apply one batch's events from `rank` in order. Events that are not `indexable` are skipped."""
+    def apply(self, events: Iterable[KvEvent], rank: int = 0) -> bool:
+        """Apply one batch's events from `rank` in order; events that are not `indexable` are skipped.
+        Returns whether one of them cleared the rank's cache."""
+        cleared = False
         for event in events:
             kind = type(event)
             if kind is BlocksStored:
@@ -216,6 +218,8 @@ class KvIndex:
                     self._remove(event, rank)  # type: ignore[arg-type]
             elif kind is CacheCleared:
                 self.clear(rank)
+                cleared = True
+        return cleared
 
     def clear(self, rank: int | None = None) -> None:
         """Forget what `rank` holds (every rank's when None); blocks other ranks hold stay."""

@@ -403,32 +403,32 @@ class WorkerFeed:
             self._on_snapshot(batch, rank, index)
         elif load is None or not load.load_only:
             resync = self._admit(batch, rank, index)
-        self._notify()
+        if self._waiting:
+            self._notify()
         return resync
 
     def _admit(self, batch: KvBatch, rank: int, index: KvIndex) -> bool:
         seq = batch.sequence
         events = batch.events
-        fresh = rank in self._fresh
-        self._fresh.discard(rank)
         cursor = self.cursors.get(rank)
-        clears = any(type(event) is CacheCleared for event in events)
+        fresh = rank in self._fresh
+        if fresh:
+            self._fresh.discard(rank)
         if cursor is not None and seq == cursor + 1:
             self.cursors[rank] = seq
-            index.apply(events, rank)
-            if clears:
-                self._known(rank, index)
+            if index.apply(events, rank):
+                self._known(rank, index)  # the engine cleared its cache: everything since is known
             return False
         if cursor is None:
             # The rank's first batch: known if it is its publisher's first, or clears the cache.
             self.cursors[rank] = seq
-            index.apply(events, rank)
-            if seq == 0 or clears:
+            if index.apply(events, rank) or seq == 0:
                 self._known(rank, index)
             else:
                 index.mark(rank, False)
             return False
         if seq <= cursor:
+            clears = any(type(event) is CacheCleared for event in events)
             restarted = seq < cursor and (fresh or clears or seq <= 1 or seq + RESTART_WINDOW <= cursor)
             if not restarted:
                 self.duplicates += 1
@@ -447,8 +447,7 @@ class WorkerFeed:
             return False
         # A gap: what the missed batches did is unknown.
         self.cursors[rank] = seq
-        index.apply(events, rank)
-        if clears:
+        if index.apply(events, rank):
             self._known(rank, index)
             return False
         log.warning(
