@@ -38,7 +38,7 @@ from itertools import accumulate, islice
 from ..engines.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEvent
 
 #: Blocks one worker's index holds at most (of 16 tokens: 4M tokens, more than an engine's device cache
-#: on common hardware; about 300 bytes a block).
+#: on common hardware; about 200 bytes a block, 260 while eviction is tracked).
 DEFAULT_MAX_BLOCKS = 262_144
 #: Physical copies of one engine hash counted per rank, as the servicers' relay counts them.
 COPIES_CAP = 8
