@@ -20,6 +20,7 @@ from ..errors import InvalidRequest
 from ..observability.logging import configure_logging
 from ..pipeline.output_parsers.registry import validate_parser_names
 from ..routing.cache_aware import CacheAwarePolicy
+from ..routing.kv_index import DEFAULT_MAX_BLOCKS
 from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
 from ..traffic.keys import KeyPolicy, read_key_file
@@ -251,7 +252,7 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--kv-index-max-blocks",
         type=positive_int,
-        default=262_144,
+        default=DEFAULT_MAX_BLOCKS,
         metavar="N",
         help="blocks one worker's KV index holds at most; past it the least recently used go first",
     )

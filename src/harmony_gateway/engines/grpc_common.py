@@ -1,7 +1,8 @@
 """Plumbing the gRPC engine clients share.
 
 `GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`), answers `health`,
-`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, starts and
+`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, and
+`subscribe_kv_events` and `loads` on the wires whose capabilities declare them (`kv_wire.py`), starts and
 cancels `Generate` (`_generate_call`), and normalises the stream of the scheduler-style wires (SGLang,
 TokenSpeed, vLLM, MLX) into `EngineChunk`s, so `pipeline/` sees one shape. `sampling_fields` copies the
 sampling fields the wires share, `token_logprobs` converts an `OutputLogProbs` message. What a wire
