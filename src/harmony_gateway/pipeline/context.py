@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..routing.dns_discovery import DnsDiscovery
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.health import HealthConfig
+    from ..routing.kv_subscriptions import KvSubscriptions
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
@@ -116,6 +117,9 @@ class GatewayState:
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
     #: Keeps the fleet in step with `--worker-dns` (routing/dns_discovery.py); None without it.
     discovery: DnsDiscovery | None = None
+    #: Follows the engines' KV events and loads into each worker's index and load record
+    #: (routing/kv_subscriptions.py); its feeds run on `tasks`.
+    kv_subscriptions: KvSubscriptions | None = None
 
 
 log = logging.getLogger(__name__)
