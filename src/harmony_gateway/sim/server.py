@@ -801,6 +801,11 @@ class RunningSim:
         """Live `SubscribeKvEvents` streams."""
         return self._core.relay.subscriptions if self._core.relay else 0
 
+    @property
+    def kv_subscription_starts(self) -> list[int]:
+        """The `start_sequence_number` every `SubscribeKvEvents` call asked for, in order."""
+        return list(self._core.relay.requested_starts) if self._core.relay else []
+
     async def set_healthy(self, healthy: bool) -> None:
         """Flip HealthCheck and the grpc.health.v1 status (SERVING / NOT_SERVING)."""
         self._core.healthy = healthy
