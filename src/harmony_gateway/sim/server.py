@@ -263,6 +263,20 @@ class Run:
             handle.cancel()
             self._waiter = None
 
+    async def wait_open(self, gate: asyncio.Event) -> None:
+        """Wait until `gate` is set (`RunningSim.hold`) unless aborted: an Abort wakes it at once."""
+        if gate.is_set() or self.aborted:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        opened = asyncio.ensure_future(gate.wait())
+        opened.add_done_callback(lambda _: _resolve(waiter))
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            opened.cancel()
+            self._waiter = None
+
     def check_failure(self, sent_after_step: int) -> None:
         failure = self.failure
         if failure is not None and sent_after_step > failure.after_tokens:
@@ -290,13 +304,18 @@ class Run:
             self.failure.after_tokens = min(self.failure.after_tokens, max(total - 1, 0))
             if self.failure.after_tokens == 0:
                 self.fail_if_armed()
-        if core.gate is not None:
-            await core.gate.wait()
+        if core.gate is not None and core.gate_after <= 0:
+            await self.wait_open(core.gate)
         await self.wait(core.ttft)
         sent = 0
         spans = {plan.index: chunk_spans(len(plan.ids), chunk, first_alone=first_alone) for plan in plans}
         step_no = 0
         while not self.aborted:
+            # A mid-stream hold is read at every step, so a test can release one and arm the next at once.
+            gate = core.gate
+            if gate is not None and 0 < core.gate_after <= sent and not gate.is_set():
+                await self.wait_open(gate)
+                continue
             size = chunk
             for plan in plans:
                 if plan.done:
@@ -319,8 +338,8 @@ class Run:
     async def wait_whole(self, plans: list[ChoicePlan]) -> None:
         """Non-stream timing: first-token delay plus the longest choice at the configured rate."""
         longest = max((len(p.ids) for p in plans), default=0)
-        if self._core.gate is not None:
-            await self._core.gate.wait()
+        if self._core.gate is not None and self._core.gate_after <= 0:
+            await self.wait_open(self._core.gate)
         await self.wait(self._core.ttft + longest * self._core.token_delay)
         self.fail_if_armed()
 
@@ -380,8 +399,10 @@ class SimCore:
         self._runs: dict[str, Run] = {}
         #: Most Generate calls in flight at once (admission tests assert a cap through it).
         self.peak_active = 0
-        #: While set and not open, Generate calls wait here before their first token (`RunningSim.hold`).
+        #: While set and not open, Generate calls wait here once they have streamed `gate_after` tokens
+        #: (0: before their first token; `RunningSim.hold`).
         self.gate: asyncio.Event | None = None
+        self.gate_after = 0
         self._failures: deque[_Failure] = deque()
         self._prefix = PrefixCache()
         self.frames = FrameCache()
@@ -504,10 +525,13 @@ class RunningSim:
         """Most Generate calls in flight at once since start."""
         return self._core.peak_active
 
-    def hold(self) -> None:
-        """Generate calls from now on wait before their first token until `release_held()`: a test
-        holds streams open as long as it needs, with no timing."""
+    def hold(self, after_tokens: int = 0) -> None:
+        """Generate calls from now on wait before their first token until `release_held()`: a test holds
+        streams open as long as it needs, with no timing. With `after_tokens`, every stream (those under
+        way too) waits instead once it has sent that many tokens: `release_held(); hold(after_tokens=M)`
+        lets a held stream go on to the next point M."""
         self._core.gate = asyncio.Event()
+        self._core.gate_after = after_tokens
 
     def release_held(self) -> None:
         if self._core.gate is not None:
