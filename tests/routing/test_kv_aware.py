@@ -189,6 +189,23 @@ def test_what_was_sent_since_the_last_record_counts() -> None:
     assert (score.active, score.queued_tokens) == (0, 0)
 
 
+def test_a_request_the_record_counts_stops_counting_when_it_finishes() -> None:
+    """A record comes a scheduler tick after a change: the request it shows running that has finished
+    since no longer weighs on its worker, so a sequential agent's next turn finds its cache idle."""
+    a, b = indexed("a"), indexed("b")
+    pushed(a, load(running=2))
+    policy = KvAwarePolicy()
+    active = lambda: {s.worker.id: s for s in policy.scores([a, b], req(ids(10)))}["a"].active  # noqa: E731
+    assert active() == 2
+    policy.on_request_done(a, None)
+    assert active() == 1
+    policy.on_request_done(a, None)
+    policy.on_request_done(a, None)  # more than it counted: never below nothing
+    assert active() == 0
+    pushed(a, load(running=1))  # the next record is the truth again
+    assert active() == 1
+
+
 def test_an_incomplete_index_falls_back_to_the_record() -> None:
     prompt = ids(400)
     a = indexed("a")

@@ -59,12 +59,15 @@ class WorkerScore:
 
 @dataclass(slots=True)
 class _Sent:
-    """Requests sent to a worker since its engine's load record `record`: their uncached prompt tokens,
-    oldest first. The record does not count them yet; the next one does."""
+    """What changed on a worker since its engine's load record `record`, which the next record will
+    count: the requests sent there since (their uncached prompt tokens, oldest first), and how many of
+    the requests the record did count have finished since (`done`). Records come a scheduler tick after
+    the change, so without `done` a worker would look busy with a request it just finished."""
 
     record: EngineLoad
     tokens: deque[int]
     total: int = 0
+    done: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +162,7 @@ class KvAwarePolicy(RoutingPolicy):
         chosen = keyed or self._pick(scores, self._rng)
         self._routed.record(request, key, chosen.worker.id)
         if chosen.load_from == "engine" and chosen.worker.engine_load is not None:
-            self._count_sent(
-                chosen.worker.id, chosen.worker.engine_load, len(request.input_ids) - chosen.cached_tokens
-            )
+            self._count_sent(chosen.worker, len(request.input_ids) - chosen.cached_tokens)
         return chosen.worker
 
     def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
@@ -191,10 +192,14 @@ class KvAwarePolicy(RoutingPolicy):
         return self._routed.tree.match(request.tenant, key, {w.id for w in workers})[0]
 
     def on_request_done(self, worker: Worker, request: RoutingRequest | None) -> None:
-        sent = self._sent.get(worker.id)
-        if sent is not None and sent.tokens:
-            # Its prefill is over, whichever request it was; the oldest sent is the likeliest.
+        sent = self._since_record(worker)
+        if sent is None:
+            return
+        if sent.tokens:
+            # Sent after the record, so not in it; whichever request it was, the oldest is the likeliest.
             sent.total -= sent.tokens.popleft()
+        else:
+            sent.done += 1  # one the record counts as running is over
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._routed.remove_worker(worker.id)
@@ -268,7 +273,7 @@ class KvAwarePolicy(RoutingPolicy):
         active = record.running_requests + record.waiting_requests
         sent = self._sent.get(worker.id)
         if sent is not None and sent.record is record:
-            active += len(sent.tokens)
+            active = max(0, active + len(sent.tokens) - sent.done)
             queued += sent.total
         usage = record.active_token_usage if record.active_token_usage is not None else record.token_usage
         return _Load(active=max(active, worker.in_flight), queued_tokens=queued, kv_usage=usage, fresh=True)
@@ -291,10 +296,19 @@ class KvAwarePolicy(RoutingPolicy):
         weights = [math.exp(-(s.cost - least) / (spread * self.temperature)) for s in pool]
         return rng.choices(pool, weights=weights)[0]
 
-    def _count_sent(self, worker_id: str, record: EngineLoad, uncached: int) -> None:
-        sent = self._sent.get(worker_id)
+    def _since_record(self, worker: Worker) -> _Sent | None:
+        """The changes counted against the worker's current load record (None without one)."""
+        record = worker.engine_load
+        if record is None:
+            return None
+        sent = self._sent.get(worker.id)
         if sent is None or sent.record is not record:
-            sent = self._sent[worker_id] = _Sent(record, deque(maxlen=_MAX_SENT))
+            sent = self._sent[worker.id] = _Sent(record, deque(maxlen=_MAX_SENT))
+        return sent
+
+    def _count_sent(self, worker: Worker, uncached: int) -> None:
+        sent = self._since_record(worker)
+        assert sent is not None
         if len(sent.tokens) == _MAX_SENT:
             sent.total -= sent.tokens[0]
         sent.tokens.append(uncached)
