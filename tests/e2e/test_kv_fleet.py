@@ -22,7 +22,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from harmony_gateway.routing import Worker
 from harmony_gateway.sim import RunningSim, SimConfig
 from tests.conftest import MODEL
-from tests.e2e._fleet import next_request_id, served_by, sims
+from tests.e2e._fleet import all_workers_up, next_request_id, served_by, sims
 from tests.support.servers import RunningGateway, running_gateway
 from tests.support.servers import test_settings as gateway_settings
 
@@ -73,6 +73,7 @@ async def fleet(
         options = {**FAST, "policy": "kv_aware", **settings}
         config = gateway_settings(worker_urls=tuple(e.url for e in engines), **options)
         async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
+            await all_workers_up(gw)
             for engine in engines:
                 if engine.config.engine != "mlx":
                     await until(lambda e=engine: holds(gw, e, [1]) == 0, f"{engine.url} is followed")
@@ -187,6 +188,7 @@ async def test_a_snapshot_resyncs_a_gateway_that_joins_late() -> None:
             b.announce_prefix(ids)
         config = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="kv_aware", **FAST)
         async with running_gateway(config) as gw, httpx.AsyncClient(base_url=gw.url, timeout=20) as http:
+            await all_workers_up(gw)
             await until(lambda: all(holds(gw, b, ids) == PROMPT_TOKENS for ids in earlier), "resynced")
             assert b.kv_subscription_starts == [0]
             for ids in earlier:
