@@ -409,15 +409,15 @@ async def test_a_failed_turn_leaves_the_cache_as_it_was(gateway: RunningGateway,
 
 
 # -- keys, tenants and budgets -----------------------------------------------------------------------------
-KEY_A, KEY_B, KEY_LIMITED = "sk-tenant-a", "sk-tenant-b", "sk-limited"
+KEY_A, KEY_B, KEY_LIMITED, KEY_SPAMMER = "sk-tenant-a", "sk-tenant-b", "sk-limited", "sk-spammer"
 
 
 @pytest.fixture(scope="module")
 async def keyed(sim: RunningSim) -> AsyncIterator[RunningGateway]:
     settings = test_settings(
         worker_urls=(sim.url,),
-        api_keys=frozenset({KEY_A, KEY_B, KEY_LIMITED}),
-        key_policies={KEY_LIMITED: KeyPolicy(rate_limit=2)},
+        api_keys=frozenset({KEY_A, KEY_B, KEY_LIMITED, KEY_SPAMMER}),
+        key_policies={KEY_LIMITED: KeyPolicy(rate_limit=2), KEY_SPAMMER: KeyPolicy(rate_limit=2)},
     )
     async with running_gateway(settings) as gw:
         yield gw
@@ -459,6 +459,19 @@ async def test_each_turn_is_rate_limited_as_a_request(keyed: RunningGateway) -> 
         assert int(error["headers"]["retry-after"]) >= 1
         assert error["headers"]["x-ratelimit-limit-requests"] == "2"
         await ws.ping()  # the socket stays open
+
+
+async def test_refused_messages_are_charged_as_requests(keyed: RunningGateway) -> None:
+    async with open_socket(keyed, KEY_SPAMMER) as ws:
+        await ws.send("{")
+        assert (await expect_error(ws))["code"] == "invalid_json"
+        check_turn(await turn(ws, model=MODEL, input="one"))
+        await ws.send("{")
+        error = await expect_error(ws)
+        assert (
+            error["code"] == "rate_limit_exceeded"
+            and error["headers"]["x-ratelimit-remaining-requests"] == "0"
+        )
 
 
 # -- limits -------------------------------------------------------------------------------------------------

@@ -232,6 +232,8 @@ class ResponsesSocket:
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: The client left while the socket was sending to it.
+        self.gone = False
         loop = asyncio.get_running_loop()
         self._clock = loop.time
         self.opened = self._clock()
@@ -311,7 +313,7 @@ class ResponsesSocket:
                     code="response_already_in_flight",
                 )
         except GatewayError as exc:
-            await self.send_error(exc, stream_id)
+            await self._refuse(exc, len(data), stream_id)
             return None
         if self.hub.control.draining:
             await self.close(GOING_AWAY, "the gateway is shutting down")
@@ -329,6 +331,16 @@ class ResponsesSocket:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return None
+
+    async def _refuse(self, exc: GatewayError, size: int, stream_id: str | None) -> None:
+        """Answer a message that starts no turn with `exc`, charged what a refused POST costs (the
+        budget's own refusal instead, once it is spent)."""
+        answer = exc
+        try:
+            await self.gate.charge(size)
+        except RateLimited as refusal:
+            answer = refusal
+        await self.send_error(answer, stream_id)
 
     def _limit_reached(self) -> tuple[str, str] | None:
         settings = self.settings
@@ -365,9 +377,13 @@ class ResponsesSocket:
     async def send_lines(self, piece: bytes) -> None:
         """Send each line of `piece` (one event each) as one text message."""
         send = self._send
-        for line in piece.split(b"\n"):
-            if line:
-                await send({"type": "websocket.send", "text": line.decode()})
+        try:
+            for line in piece.split(b"\n"):
+                if line:
+                    await send({"type": "websocket.send", "text": line.decode()})
+        except OSError:  # uvicorn's ClientDisconnected: the client left
+            self.gone = True
+            raise
 
     async def send_error(
         self,
@@ -430,6 +446,9 @@ class ResponsesSocket:
         except BaseException as exc:
             if not is_failure(exc):
                 raise
+            if self.gone:
+                ctx.status = 499  # the client left while its events were being sent: nothing to tell it
+                return
             refusal = _as_gateway_error(exc)
             if refusal is None:
                 log_failure(log, f"WebSocket turn {ctx.request_id}", exc)

@@ -77,6 +77,20 @@ class TurnGate:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                 await ticket.settle()
 
+    async def charge(self, size: int) -> None:
+        """Charge a message that starts no turn (it was refused: not JSON, an unknown event, a turn
+        already in flight) the request budget of one generation, as a `POST /v1/responses` with a body
+        the route refuses is charged; raises `RateLimited` once the budget is spent."""
+        control = self.control
+        if not control.limits_on or self.identity is None:
+            return
+        headers, refusal, _ = await control.check_budgets(
+            self.identity, self.policy, GENERATION.weight(size), None
+        )
+        self.headers = {name.decode(): value.decode() for name, value in headers}
+        if refusal is not None:
+            raise refusal
+
     async def _slot(self) -> Slot | None:
         admission = self.control.admission
         if admission is None or self.identity is None:

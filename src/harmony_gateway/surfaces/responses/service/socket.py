@@ -3,7 +3,7 @@
 A turn is the streamed run of a response, planned as for `POST /v1/responses` with `stream: true`; only
 its events are encoded for the socket (one JSON event per line, `output.json_line`; the socket sends
 each line as one message) instead of as SSE frames. `background` is refused, as OpenAI refuses it on a
-WebSocket.
+WebSocket. `generate: false` (OpenAI's warm-up) prepares the response and completes it with no output.
 
 `SocketCache` is the socket's in-memory state (OpenAI's "connection-local cache"): the
 `previous_response_id` chain of the newest response the socket completed, kept whether or not it was
@@ -17,7 +17,7 @@ cache holds that tenant's responses only. It keeps no more history than a turn c
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from ....storage.base import (
     replay_size,
     within_budget,
 )
-from ..framer import record_of
+from ..framer import ResponsesFramer, record_of
 from ..output import ResponseBuilder, json_line
 from ..plan import ResponsePlan, prepare_responses
 from ..types import ResponsesRequest
@@ -178,11 +178,35 @@ async def plan_socket_turn(
             "background responses are not supported over a WebSocket; use POST /v1/responses",
             param="background",
         )
+    generate = (req.model_extra or {}).get("generate", True)
+    if not isinstance(generate, bool):
+        raise InvalidRequest("generate must be a boolean", param="generate")
     cache.begin_turn()
     plan = await prepare_responses(state, req, ctx, chains=cache)
     builder = new_builder(plan, stream=True)
     builder.encode = event_encoder(stream_id)
-    return SocketTurn(generation_of(state, plan, builder, ctx), plan, builder, cache)
+    generation = generation_of(state, plan, builder, ctx) if generate else warm_up(state, plan, builder, ctx)
+    return SocketTurn(generation, plan, builder, cache)
+
+
+def warm_up(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
+) -> Generation[Any]:
+    """A `generate: false` turn (OpenAI's warm-up): the response is prepared as any other (its input
+    validated and rendered, its chain read, stored when `store` is set) and completes at once with no
+    output and no engine request; a later turn continues from it and sends only what is new."""
+
+    async def open_nothing() -> AsyncIterator[Any]:
+        builder.start()
+        return _nothing()
+
+    framer = ResponsesFramer(state, plan, builder, ctx)
+    return Generation(open_nothing, framer, head=builder.take, close=plan.close_tools)
+
+
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield  # an async generator with nothing to give
 
 
 __all__ = [
@@ -193,4 +217,5 @@ __all__ = [
     "plan_socket_turn",
     "socket_body",
     "stream_id_of",
+    "warm_up",
 ]
