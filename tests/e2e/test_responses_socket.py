@@ -279,6 +279,24 @@ async def test_agents_websocket_model_runs_an_agent_with_a_function_tool(
     assert metric(after, continued, source="cache") - metric(before, continued, source="cache") == 2
 
 
+async def test_a_turn_sends_the_events_of_a_stream(gateway: RunningGateway) -> None:
+    body = {"model": MODEL, "input": "please call get_weather for Oslo", "tools": [WEATHER], "store": False}
+    async with httpx.AsyncClient(base_url=gateway.base_url, timeout=30) as http:
+        async with http.stream("POST", "/responses", json={**body, "stream": True}) as r:
+            streamed = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+    async with open_socket(gateway) as ws:
+        sent = await turn(ws, **body)
+    check_turn(sent)
+
+    def shape(events: list[dict[str, Any]]) -> list[tuple[str, int, Any]]:
+        return [(e["type"], e["sequence_number"], e.get("delta")) for e in events]
+
+    assert shape(sent) == shape(streamed)
+    assert (
+        sent[-1]["response"]["output"][-1]["arguments"] == streamed[-1]["response"]["output"][-1]["arguments"]
+    )
+
+
 # -- a plain client: the protocol's edges ---------------------------------------------------------------
 async def test_background_is_refused_and_the_socket_stays_open(gateway: RunningGateway) -> None:
     async with open_socket(gateway) as ws:
