@@ -492,6 +492,25 @@ async def test_refused_messages_are_charged_as_requests(keyed: RunningGateway) -
         )
 
 
+async def test_each_turn_takes_an_admission_slot(sim: RunningSim) -> None:
+    settings = test_settings(worker_urls=(sim.url,), max_concurrent_requests=1, queue_size=0)
+    async with running_gateway(settings) as gw, open_socket(gw) as first, open_socket(gw) as second:
+        sim.hold()
+        try:
+            await send(first, model=MODEL, input="holds the slot")
+            await wait_until(lambda: sim.active_requests == 1)
+            await send(second, model=MODEL, input="finds none")
+            error = await expect_error(second)
+            assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+        finally:
+            sim.release_held()
+        check_turn(await turn(first))
+        # The slot is free as soon as the first turn's last event is out: the next turn, on either
+        # socket, is admitted at once, with no queue to wait in.
+        check_turn(await turn(first, model=MODEL, input="at once"))
+        check_turn(await turn(second, model=MODEL, input="now there is one"))
+
+
 # -- limits -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 async def limited(sim: RunningSim) -> AsyncIterator[RunningGateway]:

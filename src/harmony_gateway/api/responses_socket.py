@@ -492,6 +492,7 @@ class ResponsesSocket:
                 if last:
                     turn.remember()
                     self._release()
+                    ticket.free_slot()  # the next turn may start at once: its slot must be free
                 if not started[0]:
                     started[0] = True
                     ticket.charge_started()  # the prompt is known: charge it now, as a request does

@@ -155,6 +155,12 @@ class Ticket:
     async def _charge(self, limit: int, tokens: int) -> None:
         await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
 
+    def free_slot(self) -> None:
+        """Give the admission slot back now (the response's last byte is out), ahead of `settle`."""
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            slot.release()
+
     async def settle(self) -> None:
         if self.settled:
             return
