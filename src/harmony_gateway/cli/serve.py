@@ -533,8 +533,8 @@ def _add_websocket_arguments(g: argparse._ArgumentGroup) -> None:
         type=float,
         default=300.0,
         metavar="S",
-        help="seconds a socket may stay open with no turn running and nothing received; then it is "
-        "closed (1000)",
+        help="seconds a socket may stay open with no turn running and no client event received (pings "
+        "do not count); then it is closed (1000)",
     )
     g.add_argument(
         "--ws-max-turns",
