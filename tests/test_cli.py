@@ -282,9 +282,26 @@ SERVE_GROUPS = [
     "routing",
     "storage",
     "limits and traffic",
+    "WebSocket mode",
     "security",
     "observability",
 ]
+
+
+def test_websocket_options_reach_their_settings() -> None:
+    flags = ["--ws-max-message-bytes", "1024", "--ws-idle-timeout", "9", "--ws-max-turns", "3"]
+    flags += ["--ws-max-lifetime", "60"]
+    settings = settings_from_args(build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", *flags]))
+    assert (
+        settings.ws_max_message_bytes,
+        settings.ws_idle_timeout,
+        settings.ws_max_turns,
+        settings.ws_max_lifetime,
+    ) == (1024, 9.0, 3, 60.0)
+    for flag in ("--ws-idle-timeout", "--ws-max-lifetime"):
+        args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", flag, "0"])
+        problem = invalid_setting(settings_from_args(args))
+        assert problem is not None and flag in problem
 
 
 def test_serve_help_shows_the_option_groups_and_defaults(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI
 from openai_harmony import HarmonyEncoding
+from starlette.routing import WebSocketRoute
 
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
@@ -31,6 +32,8 @@ from .api.openapi import install_openapi
 from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
+from .api.responses_socket import PATH as SOCKET_PATH
+from .api.responses_socket import ResponsesSockets, SocketMetrics
 from .api.routes import router, surface_router
 from .api.workers import router as workers_router
 from .engines.registry import GRPC_ENGINES, create_client
@@ -215,6 +218,7 @@ def create_app(settings: Settings) -> FastAPI:
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
         control.attach_metrics(TrafficMetrics(gw.metrics.registry))
+        sockets.attach_metrics(SocketMetrics(gw.metrics.registry))
         control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
@@ -294,6 +298,9 @@ def create_app(settings: Settings) -> FastAPI:
     control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV), tasks=tasks)
     drain.current_control = control
     app.state.traffic = control
+    # The Responses API's WebSocket mode: the same path as POST /v1/responses, upgraded.
+    sockets = ResponsesSockets(settings, control)
+    app.state.sockets = sockets
     # Innermost: the generating routes without FastAPI's per-request routing work (api/direct_routes.py).
     # The generating routes and the wire of every route, from the surface table.
     routes = route_map()
@@ -317,6 +324,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(workers_router)
     app.include_router(anthropic_router)
     app.include_router(inspector_router)
+    app.router.routes.append(WebSocketRoute(SOCKET_PATH, sockets, name="responses_socket"))
     # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
     install_openapi(app)
     return app

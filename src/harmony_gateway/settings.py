@@ -201,6 +201,15 @@ class Settings:
     #: Most token ids `POST /v1/harmony/parse` reads (a text is encoded first; it may hold 8 characters a
     #: token); a larger input is a 400 naming `token_ids` or `text`.
     max_parse_tokens: int = 131_072
+    #: The Responses API's WebSocket mode (api/responses_socket.py): the largest client message (a larger
+    #: one closes the socket with 1009 before it is read), seconds a socket may sit idle (no turn running,
+    #: nothing received) before it is closed, the `response.create` turns one socket may run, and its
+    #: lifetime (OpenAI's own is 60 minutes); past a limit the next turn gets an `error` event
+    #: `websocket_connection_limit_reached` and the socket closes.
+    ws_max_message_bytes: int = 8 * 1024 * 1024
+    ws_idle_timeout: float = 300.0
+    ws_max_turns: int = 1000
+    ws_max_lifetime: float = 3600.0
 
     @property
     def conversation_limits(self) -> ConversationLimits:

@@ -66,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_limits_and_traffic_arguments(
         p.add_argument_group("limits and traffic", "See README, Limits and Traffic control.")
     )
+    _add_websocket_arguments(
+        p.add_argument_group(
+            "WebSocket mode",
+            "The Responses API over one WebSocket per agent (ws://HOST:PORT/v1/responses): sequential turns, "
+            "continued from the socket's own cache. See README, WebSocket mode.",
+        )
+    )
     _add_security_arguments(p.add_argument_group("security"))
     observability = p.add_argument_group("observability")
     observability.add_argument(
@@ -550,6 +557,40 @@ def _add_limits_and_traffic_arguments(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_websocket_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--ws-max-message-bytes",
+        type=positive_int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest message a client may send on a Responses WebSocket; a larger one closes the socket "
+        "with 1009 before it is read (default: %(default)s, 8 MiB)",
+    )
+    g.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds a socket may stay open with no turn running and no client event received (pings "
+        "do not count); then it is closed (1000)",
+    )
+    g.add_argument(
+        "--ws-max-turns",
+        type=positive_int,
+        default=1000,
+        metavar="N",
+        help="response.create turns one socket may run; the next one is refused with an error event "
+        "(websocket_connection_limit_reached) and the socket closes",
+    )
+    g.add_argument(
+        "--ws-max-lifetime",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="seconds a socket may live; a turn asked for later is refused as past --ws-max-turns is",
+    )
+
+
 def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--api-key",
@@ -768,6 +809,8 @@ def invalid_setting(settings: Settings) -> str | None:
     ):
         if value is not None and value < 1:
             return f"{flag} must be 1 or more"
+    if settings.ws_idle_timeout <= 0 or settings.ws_max_lifetime <= 0:
+        return "--ws-idle-timeout and --ws-max-lifetime must be above 0"
     if settings.queue_size < 0 or settings.queue_timeout <= 0 or settings.drain_timeout < 0:
         return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
     if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):

@@ -155,6 +155,12 @@ class Ticket:
     async def _charge(self, limit: int, tokens: int) -> None:
         await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
 
+    def free_slot(self) -> None:
+        """Give the admission slot back now (the response's last byte is out), ahead of `settle`."""
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            slot.release()
+
     async def settle(self) -> None:
         if self.settled:
             return
@@ -207,6 +213,8 @@ class TrafficControl:
             or any(p.rate_limit or p.token_rate_limit for p in settings.key_policies.values())
         )
         self.draining = False
+        #: Set when the drain begins: long-lived connections (Responses WebSockets) close then.
+        self.drain_begun = asyncio.Event()
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -286,6 +294,12 @@ class TrafficControl:
 
     # -- drain ---------------------------------------------------------------------------------
 
+    def refuse_draining(self) -> Overloaded:
+        """The refusal of a request that arrives while draining (counted)."""
+        if self.metrics is not None:
+            self.metrics.admission_refused.labels(reason="draining").inc()
+        return Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
+
     def _enter(self, scope: anyio.CancelScope) -> None:
         self.in_flight += 1
         self._scopes.add(scope)
@@ -300,6 +314,7 @@ class TrafficControl:
     def begin_drain(self) -> None:
         if not self.draining:
             self.draining = True
+            self.drain_begun.set()
             log.warning(
                 "draining: refusing new requests; %d in flight finish within %gs",
                 self.in_flight,
@@ -381,11 +396,8 @@ class TrafficMiddleware(HttpMiddleware):
             await self.app(scope, receive, send)
             return
         if control.draining:
-            if control.metrics is not None:
-                control.metrics.admission_refused.labels(reason="draining").inc()
             status[0] = 503
-            exc = Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
-            await _send_error(send, wire, exc, request_id, [(b"connection", b"close")])
+            await _send_error(send, wire, control.refuse_draining(), request_id, [(b"connection", b"close")])
             return
         # Counted from here, queued or running: the drain waits for every request it did not refuse,
         # and past its timeout cancels this scope.

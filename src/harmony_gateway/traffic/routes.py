@@ -135,7 +135,12 @@ def estimate_tokens(body: bytes, request: Any) -> int:
     (`max_completion_tokens`, `max_output_tokens`, `max_tokens`, SGLang's `sampling_params.max_new_tokens`;
     `DEFAULT_OUTPUT_RESERVATION` without one) for each of its `n` choices. `request` is the decoded body,
     or None when it is not a JSON object (the route then answers 400 and the reservation is returned)."""
-    prompt = math.ceil(len(body) / BYTES_PER_TOKEN)
+    return estimate_tokens_of_size(len(body), request)
+
+
+def estimate_tokens_of_size(size: int, request: Any) -> int:
+    """`estimate_tokens` of a body of `size` bytes (or characters: a message read as text)."""
+    prompt = math.ceil(size / BYTES_PER_TOKEN)
     fields: dict[str, Any] = request if isinstance(request, dict) else {}
     sampling = fields.get("sampling_params")
     scopes = [fields, sampling] if isinstance(sampling, dict) else [fields]
@@ -163,5 +168,6 @@ __all__ = [
     "RouteCost",
     "RouteMap",
     "estimate_tokens",
+    "estimate_tokens_of_size",
     "route_cost",
 ]

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ...engines.base import EngineChunk, take_counts
 from ...errors import Conflict, InvalidRequest, NotFound
@@ -64,7 +64,7 @@ from ...pipeline.prepare import (
     utc_date,
 )
 from ...pipeline.reasoning_store import reasoning_vault, vault_for, wants_encrypted_reasoning
-from ...storage.base import item_sizes, size_of
+from ...storage.base import RecentChain, item_sizes, size_of
 from ...types.limits import MAX_SCHEMA_CHARS, MAX_TOOL_DESCRIPTION_CHARS, schema_too_large
 from ..chat.upstream import require_token_engine
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
@@ -81,6 +81,15 @@ log = logging.getLogger(__name__)
 ROOT_KEY = "_root"
 #: Private `StoredResponse.metadata` key: the system message date of the chain's first turn, inherited.
 DATE_KEY = "_date"
+
+
+class ChainReader(Protocol):
+    """Where a turn reads its `previous_response_id` chain: the store (`Store.load_recent_chain`), or a
+    WebSocket's own cache in front of it (`socket.SocketCache`)."""
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -312,10 +321,12 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
 
 
 @traced("gateway.prepare")
-async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: RequestContext) -> ResponsePlan:
-    """Validate, load the chain or conversation, map items to Harmony, and open the request's tools
-    (connect, list: failures are HTTP errors). The prompt is rendered by `begin`. On any error the tools
-    opened so far are closed."""
+async def prepare_responses(
+    state: GatewayState, req: ResponsesRequest, ctx: RequestContext, *, chains: ChainReader | None = None
+) -> ResponsePlan:
+    """Validate, load the chain (from `chains`, the store by default) or conversation, map items to
+    Harmony, and open the request's tools (connect, list: failures are HTTP errors). The prompt is
+    rendered by `begin`. On any error the tools opened so far are closed."""
     store = state.store
     if req.background and not req.store:
         raise InvalidRequest("background responses must be stored: set store to true", param="background")
@@ -356,7 +367,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     chain_root: str | None = None
     if req.previous_response_id:
         # Only the newest responses the context could show are read (surfaces/responses/history_window.py).
-        recent_chain = await store.load_recent_chain(
+        recent_chain = await (chains or store).load_recent_chain(
             req.previous_response_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
         )
         if recent_chain.omitted and not truncate:
