@@ -210,6 +210,10 @@ class Settings:
     ws_idle_timeout: float = 300.0
     ws_max_turns: int = 1000
     ws_max_lifetime: float = 3600.0
+    #: Open sockets one key (one client address on a gateway without keys) may hold; a handshake past it
+    #: is refused with 429. Sockets skip uvicorn's `--max-connections` count once upgraded, so this is
+    #: what bounds them per client.
+    ws_max_sockets_per_key: int = 64
 
     @property
     def conversation_limits(self) -> ConversationLimits:

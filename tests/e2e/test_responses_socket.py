@@ -453,6 +453,28 @@ async def test_a_handshake_without_a_known_key_is_refused_with_401(
     assert json.loads(response.body)["error"]["code"] == "invalid_api_key"
 
 
+async def test_a_key_holds_at_most_its_share_of_open_sockets(sim: RunningSim) -> None:
+    """Upgraded sockets skip the server's connection cap, so each key's open sockets are capped: one
+    key past it is refused with 429, another key is not, and a closed socket frees its place."""
+    settings = test_settings(
+        worker_urls=(sim.url,), api_keys=frozenset({KEY_A, KEY_B}), ws_max_sockets_per_key=2
+    )
+    async with running_gateway(settings) as gw:
+        async with open_socket(gw, KEY_A), open_socket(gw, KEY_A):
+            with pytest.raises(InvalidStatus) as refused:
+                async with open_socket(gw, KEY_A):
+                    pass
+            response = refused.value.response
+            assert response.status_code == 429
+            assert json.loads(response.body)["error"]["code"] == "too_many_websockets"
+            async with open_socket(gw, KEY_B) as ws:
+                check_turn(await turn(ws, model=MODEL, input="another key is not refused"))
+        async with httpx.AsyncClient(base_url=gw.url) as http:  # the server has seen every socket close
+            await metrics_once(http, lambda text: metric(text, "gateway_websocket_open") == 0)
+        async with open_socket(gw, KEY_A) as ws:
+            check_turn(await turn(ws, model=MODEL, input="the places are free again"))
+
+
 async def test_another_tenants_response_cannot_be_continued(keyed: RunningGateway) -> None:
     async with open_socket(keyed, KEY_A) as ws:
         mine = check_turn(await turn(ws, model=MODEL, input="tenant a's secret"))

@@ -70,6 +70,7 @@ from ..surfaces.responses.service.socket import (
 )
 from ..surfaces.responses.types import ResponsesRequest
 from ..surfaces.table import BY_PATH
+from ..traffic.keys import KeyPolicy
 from ..traffic.middleware import REQUEST_CONTEXT, Ticket, TrafficControl
 from ..traffic.turns import TurnGate
 from ..types.limits import LOOP_BODY_BYTES
@@ -99,7 +100,7 @@ class SocketMetrics(MetricSet):
 
     handshakes = counter(
         "gateway_websocket_handshakes_total",
-        "Responses WebSocket handshakes by outcome (accepted, unauthorized, draining)",
+        "Responses WebSocket handshakes by outcome (accepted, unauthorized, draining, too_many_sockets)",
         ["outcome"],
     )
     open = gauge("gateway_websocket_open", "Responses WebSockets open now", multiprocess_mode="livesum")
@@ -134,6 +135,8 @@ class ResponsesSockets:
         self.settings = settings
         self.control = control
         self.metrics: SocketMetrics | None = None
+        #: Open sockets per budget owner (`TrafficControl.identify`: a key id or a client address).
+        self._open: dict[str, int] = {}
 
     def attach_metrics(self, metrics: SocketMetrics) -> None:
         self.metrics = metrics
@@ -159,13 +162,47 @@ class ResponsesSockets:
                 AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'"),
             )
             return
+        owner = identity or ""
+        if self._open.get(owner, 0) >= self.settings.ws_max_sockets_per_key:
+            self._count_handshake("too_many_sockets")
+            await _deny(
+                scope,
+                send,
+                RateLimited(
+                    f"this key holds {self.settings.ws_max_sockets_per_key} open Responses WebSockets, the "
+                    "most it may: close one first",
+                    code="too_many_websockets",
+                ),
+            )
+            return
+        self._open[owner] = self._open.get(owner, 0) + 1
+        try:
+            await self._serve(scope, state, principal, identity, policy, headers, receive, send)
+        finally:
+            left = self._open[owner] - 1
+            if left:
+                self._open[owner] = left
+            else:
+                del self._open[owner]
+
+    async def _serve(
+        self,
+        scope: Scope,
+        state: GatewayState,
+        principal: Principal,
+        identity: str | None,
+        policy: KeyPolicy | None,
+        headers: Headers,
+        receive: Receive,
+        send: Send,
+    ) -> None:
         self._count_handshake("accepted")
         await send({"type": "websocket.accept"})
         socket = ResponsesSocket(
             self,
             state,
             principal,
-            TurnGate(control, identity, policy),
+            TurnGate(self.control, identity, policy),
             headers.get("x-session-id") or headers.get("x-user-id"),
             receive,
             send,

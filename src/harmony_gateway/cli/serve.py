@@ -589,6 +589,14 @@ def _add_websocket_arguments(g: argparse._ArgumentGroup) -> None:
         metavar="S",
         help="seconds a socket may live; a turn asked for later is refused as past --ws-max-turns is",
     )
+    g.add_argument(
+        "--ws-max-sockets-per-key",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="open sockets one API key (one client address without keys) may hold; a handshake past it "
+        "gets 429",
+    )
 
 
 def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
