@@ -20,7 +20,7 @@
 5. The last user message asks for a context checkpoint (it says "context checkpoint", as the gateway's
    compaction request and Codex's local compaction prompt do): an analysis message, then a final summary
    quoting the earlier user messages (up to 60 characters each) and the last tool output (up to 200), with
-   the names of declared tools left out (so a client that hands the summary back as a user message does
+   the names of declared and called tools left out (so a client that hands the summary back as a user message does
    not set off rule 2 again); triggers are read from the user message before the request. Continued as
    in rule 4 when the prompt ends inside the summary's open `final` message.
 
@@ -153,6 +153,8 @@ class PromptSummary:
     called: tuple[str, ...] = ()
     #: Every user message's text, in order (the last is `user_text`).
     user_texts: tuple[str, ...] = ()
+    #: Recipients of every tool call the assistant made in the prompt.
+    ever_called: frozenset[str] = frozenset()
 
     @property
     def checkpoint(self) -> bool:
@@ -456,6 +458,7 @@ class HarmonyScript:
         open_channel = ""
         called: list[str] = []
         user_texts: list[str] = []
+        ever_called: set[str] = set()
         for n, start in enumerate(starts):
             end = starts[n + 1] if n + 1 < len(starts) else len(ids)
             segment = ids[start + 1 : end]
@@ -482,6 +485,7 @@ class HarmonyScript:
                 recipient = _recipient_of(header)
                 if recipient:
                     called.append(recipient)
+                    ever_called.add(recipient)
             elif author not in _ROLES and author:
                 last_role = "tool"
                 tool_author = author
@@ -495,6 +499,7 @@ class HarmonyScript:
             open_channel,
             tuple(called),
             tuple(user_texts),
+            frozenset(ever_called),
         )
 
     def _declared_tools(self, builtin: bool, content: list[int]) -> tuple[ToolSpec, ...]:
@@ -612,7 +617,9 @@ class HarmonyScript:
             draft.fixed(_special("<|message|><|message|>this is not harmony<|start|><|start|><|end|><|end|>"))
             draft.fixed([RETURN])
             return draft.finish(None)
-        names = sorted({tool.name for tool in summary.tools}, key=len, reverse=True)
+        declared = {tool.name for tool in summary.tools}
+        called = {recipient.rsplit(".", 1)[-1] for recipient in summary.ever_called}
+        names = sorted(declared | called, key=len, reverse=True)
 
         def quoted(text: str, limit: int) -> str:
             text = _clean_user_text(text)
