@@ -54,6 +54,19 @@ def conversation() -> list[dict[str, Any]]:
     ]
 
 
+def conversation_items() -> list[dict[str, Any]]:
+    """`conversation()` as a conversation stores it: the items themselves, with their ids."""
+    items = conversation()
+    for n, item in enumerate(items):
+        if item.get("role") == "user":
+            items[n] = {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": item["content"]}],
+            }
+    return items
+
+
 def prompt(sim: RunningSim, index: int) -> str:
     return get_encoding().decode(sim.requests[index].input_ids)
 
@@ -256,6 +269,47 @@ async def test_context_management_in_a_stored_chain(client: openai.AsyncOpenAI, 
     seen = prompt(sim, before)
     assert SUMMARY_HEADER in seen and "pineapple" in seen and LOG not in seen
     assert second.usage is not None and second.usage.input_tokens < 1000
+
+
+async def test_context_management_in_a_conversation(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
+    conversation = await client.conversations.create(items=conversation_items())
+    compaction = [{"type": "compaction", "compact_threshold": 1000}]
+    first = await client.responses.create(
+        model=MODEL,
+        input="Carry on.",
+        conversation=conversation.id,
+        context_management=compaction,  # type: ignore[arg-type]
+    )
+    assert first.output[0].type == "compaction"
+    before = len(sim.requests)
+    second = await client.responses.create(
+        model=MODEL,
+        input="What is my code word?",
+        conversation=conversation.id,
+        context_management=compaction,  # type: ignore[arg-type]
+    )
+    # The conversation holds the compaction item now: what came before it renders as its summary.
+    assert [item.type for item in second.output] == ["reasoning", "message"]
+    seen = prompt(sim, before)
+    assert SUMMARY_HEADER in seen and "pineapple" in seen and LOG not in seen
+
+
+async def test_context_management_in_the_background(client: openai.AsyncOpenAI, sim: RunningSim) -> None:
+    queued = await client.responses.create(
+        model=MODEL,
+        input=[*conversation(), {"role": "user", "content": "Carry on."}],  # type: ignore[list-item]
+        context_management=[{"type": "compaction", "compact_threshold": 1000}],  # type: ignore[list-item]
+        background=True,
+    )
+    events = [
+        event.model_dump(mode="json", warnings=False)
+        async for event in await client.responses.retrieve(queued.id, stream=True)
+    ]
+    assert events[-1]["type"] == "response.completed"
+    done = await client.responses.retrieve(queued.id)
+    assert done.status == "completed" and done.output[0].type == "compaction"
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added[0] == "compaction"
 
 
 async def test_under_the_threshold_nothing_is_compacted(client: openai.AsyncOpenAI, sim: RunningSim) -> None:

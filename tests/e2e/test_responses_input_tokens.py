@@ -135,6 +135,12 @@ async def test_counts_a_compacted_conversation(
     )
 
 
+async def test_fields_it_does_not_take_change_nothing(http: httpx.AsyncClient) -> None:
+    body = {"model": MODEL, "input": "Fields it does not take."}
+    extra = {"background": True, "store": False, "stream": True, "personality": "friendly"}
+    assert await count_raw(http, {**body, **extra}) == await count_raw(http, body)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [

@@ -22,7 +22,9 @@ async def count_input_tokens(
     state: GatewayState, req: InputTokensRequest, ctx: RequestContext
 ) -> dict[str, Any]:
     """OpenAI's token counts object for `req`."""
-    fields = req.model_dump(exclude_none=True, exclude={"model", "input"})
+    # Only the body's own fields: an unknown one (`stream`, `background`) must not change the count.
+    unknown = set(req.model_extra or ())
+    fields = req.model_dump(exclude_none=True, exclude={"model", "input", *unknown})
     request = ResponsesRequest(
         **fields,
         model=requested_model(state, req.model),
