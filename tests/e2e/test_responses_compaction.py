@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from harmony_gateway.harmony.encoding import get_encoding
-from harmony_gateway.sim import RunningSim
+from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from harmony_gateway.surfaces.responses.compaction import COMPACTION_REQUEST, SUMMARY_HEADER
 from tests.conftest import MODEL
 from tests.e2e.test_reasoning_tenants import KEY_A, KEY_B, http_as
@@ -156,6 +156,24 @@ async def test_compact_a_stored_chain(client: openai.AsyncOpenAI, sim: RunningSi
     assert answered.status == "completed"
     seen = prompt(sim, before)
     assert SUMMARY_HEADER in seen and "This is a simulated answer" not in seen  # old answers are summarised
+
+
+async def test_a_conversation_longer_than_the_context_is_summarised_from_its_newest_part() -> None:
+    """Compaction is for conversations near the context's end: one past it loses its oldest messages to
+    the summary's room instead of failing."""
+    async with (
+        await start_sim_engine(SimConfig(model=MODEL, max_context_length=4096)) as small,
+        running_gateway(test_settings(worker_urls=(small.url,))) as gw,
+        httpx.AsyncClient(base_url=gw.base_url, timeout=30) as http,
+    ):
+        long = [*conversation(), {"role": "user", "content": LOG}, {"role": "user", "content": LOG}]
+        r = await http.post("/responses", json={"model": MODEL, "input": long})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        raw = await compact_raw(http, {"model": MODEL, "input": long})
+        assert raw["output"][-1]["type"] == "compaction"
+        [asked] = small.requests
+        assert len(asked.input_ids) <= 4096 - 1024  # the summary's room: a quarter of the context
+        assert COMPACTION_REQUEST in get_encoding().decode(asked.input_ids)
 
 
 async def test_changed_or_foreign_compaction_items_are_refused(

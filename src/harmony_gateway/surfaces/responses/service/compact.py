@@ -63,6 +63,8 @@ async def plan_compact(state: GatewayState, req: CompactRequest, ctx: RequestCon
         instructions=req.instructions,
         prompt_cache_key=req.prompt_cache_key,
         store=False,
+        # A conversation longer than the context is summarised from its newest part (`summary_request`).
+        truncation="auto",
     )
     plan = await prepare_responses(state, conversation, ctx, render=False)
     await plan.close_tools()  # a compaction runs no tools
