@@ -116,6 +116,10 @@ def _load(path: Path) -> dict[str, Any]:
 #: Mistakes of OpenAI's document, corrected here (component, required field it does not define): the SDKs
 #: generated from the same source have no such field.
 OPENAI_ERRATA = (("MCPApprovalResponseResource", "request_id"),)
+#: Unions OpenAI's document writes as `oneOf` with a `discriminator`, which picks the branch by `type`.
+#: Plain JSON Schema has no discriminator, and a message item with an `id` (as a compaction returns it)
+#: matches two branches (`EasyInputMessage` and the `Item` message), so these are read as `anyOf`.
+OPENAI_DISCRIMINATED = ("InputItem",)
 
 
 @cache
@@ -125,6 +129,10 @@ def openai() -> Document:
         schema = doc.schemas[name]
         assert required not in schema["properties"], f"{name}.{required} is defined now: drop the erratum"
         schema["required"] = [field for field in schema["required"] if field != required]
+    for name in OPENAI_DISCRIMINATED:
+        schema = doc.schemas[name]
+        assert "discriminator" in schema, f"{name} has no discriminator now: drop it from the list"
+        schema["anyOf"] = schema.pop("oneOf")
     return doc
 
 

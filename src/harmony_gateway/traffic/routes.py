@@ -53,6 +53,7 @@ ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
     ("POST", "/v1/harmony/render"): TOKENIZING,
     ("POST", "/v1/harmony/parse"): TOKENIZING,
     ("POST", "/v1/messages/count_tokens"): TOKENIZING,
+    ("POST", "/v1/responses/input_tokens"): TOKENIZING,
     ("POST", "/v1/responses/{response_id}/cancel"): RELEASE,
 }
 

@@ -94,7 +94,7 @@ async def _run_background(
         builder.announce_in_progress()
         await feed.publish(builder.take_events())
         try:
-            await begin(state, plan, builder)
+            await begin(state, plan, builder, ctx)
         except BaseException:
             await plan.close_tools()
             raise

@@ -50,7 +50,7 @@ def generation_of(
         if stream:
             builder.start()
         # tool listings, approved calls, then the Harmony prompt
-        await begin(state, plan, builder)
+        await begin(state, plan, builder, ctx)
         ctx.prompt_tokens = len(plan.prepared.input_ids)
         # Wait for the first chunk so early failures are HTTP errors. A non-stream response without
         # gateway tools takes the engine's output in one message: one gRPC message instead of one per
