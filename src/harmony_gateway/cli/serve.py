@@ -586,8 +586,9 @@ def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
         "--worker-allow-hosts",
         action="append",
         metavar="HOSTS",
-        help="hosts a worker registered with POST /workers may resolve to even if private or loopback "
-        "(comma-separated names, addresses or CIDR networks)",
+        help="the only hosts a worker registered with POST /workers may name (comma-separated names, "
+        "addresses or CIDR networks) (default: any but link-local and cloud metadata addresses, which "
+        "are refused always)",
     )
     g.add_argument(
         "--mcp-allow-hosts",
