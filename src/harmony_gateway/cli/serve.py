@@ -29,6 +29,7 @@ from ..settings import Settings, Timeouts
 from ..traffic.keys import KeyPolicy, read_key_file
 from ..types.limits import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
 from .common import ENGINE_PROTOCOLS, pairs, positive_int, run_until_interrupted, split_list
+from .demo import demo_banner
 
 if TYPE_CHECKING:
     import uvicorn
@@ -635,8 +636,9 @@ def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
         "--worker-allow-hosts",
         action="append",
         metavar="HOSTS",
-        help="hosts a worker registered with POST /workers may resolve to even if private or loopback "
-        "(comma-separated names, addresses or CIDR networks)",
+        help="the only hosts a worker registered with POST /workers may name (comma-separated names, "
+        "addresses or CIDR networks) (default: any but link-local and cloud metadata addresses, which "
+        "are refused always)",
     )
     g.add_argument(
         "--mcp-allow-hosts",
@@ -890,28 +892,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     run_until_interrupted(_serve(settings, args.demo))
 
 
-DEMO_TEXT = """
-Playground: http://{host}:{port}/   (open it in a browser)
-
-harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engine {sim}
-
-  curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is 2+2?"}}]}}'
-
-  python - <<'PY'
-  from openai import OpenAI
-  client = OpenAI(base_url="http://{host}:{port}/v1", api_key="unused")
-  r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
-  print("reasoning:", r.choices[0].message.reasoning_content)
-  print("answer:   ", r.choices[0].message.content)
-  PY
-
-  harmony-gateway render request.json   # the exact Harmony prompt a saved request would send
-
-Press Ctrl+C to stop.
-"""
-
-
 async def _serve(settings: Settings, demo: bool) -> None:
     # The serving stack loads only when serve runs, so --help and the other commands start fast.
     import uvicorn  # lazy: serving stack
@@ -941,10 +921,8 @@ async def _serve(settings: Settings, demo: bool) -> None:
     )
     server = DrainingServer(config)
     if sim is not None:  # demo mode
-        print(
-            DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
-            flush=True,
-        )
+        key = min(settings.api_keys) if settings.api_keys else None
+        print(demo_banner(host=settings.host, port=settings.port, sim_url=sim.url, api_key=key), flush=True)
     try:
         if settings.admin_port is None:
             await server.serve()

@@ -58,8 +58,8 @@ ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
 }
 
 #: Outside traffic control, reviewed: probes that orchestrators and scrapers call on a schedule (they
-#: must answer while a tenant is limited), and the playground's static page and files, which hold
-#: nothing per tenant. (method, path template as registered with the app.)
+#: must answer while a tenant is limited), and the playground's static page and files and the favicon,
+#: which hold nothing per tenant. (method, path template as registered with the app.)
 UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
     {
         ("GET", "/health"),
@@ -68,6 +68,7 @@ UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
         ("GET", "/"),
         ("GET", "/playground"),
         ("GET", "/playground/static/{name}"),
+        ("GET", "/favicon.ico"),
     }
 )
 

@@ -1,0 +1,81 @@
+"""What the deployment kit's tests share: the repository's files, the `serve` options, a configuration
+file turned into the command line it stands for, and the tools that are skipped locally and required
+under CI when missing (`make test` installs them through the test extra)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from harmony_gateway.cli import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = ROOT / "Dockerfile"
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+
+
+def require(tool: str) -> str:
+    """The path of a command-line tool the test extra installs; skip locally, fail under CI, without it."""
+    found = shutil.which(tool) or shutil.which(tool, path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    message = f"{tool} is not installed: `make test` installs it (the test extra)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def require_module(name: str) -> ModuleType:
+    """A module the test extra installs; skip locally, fail under CI, without it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        message = f"{name} is not installed: `make test` installs it (the test extra)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harmony-gateway serve")
+    serve.add_arguments(parser)
+    return parser
+
+
+def serve_options() -> dict[str, argparse.Action]:
+    """`serve`'s options by name, without the dashes (`worker-dns`)."""
+    return {
+        flag[2:]: action
+        for action in serve_parser()._actions
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+
+
+def config_argv(config: Mapping[str, Any]) -> list[str]:
+    """The command line a configuration file stands for: each key an option name, a list one flag per
+    item (for a repeatable option), `true` a switch. Fails on a key that is no `serve` option."""
+    options = serve_options()
+    argv: list[str] = []
+    for key, value in config.items():
+        assert key in options, f"{key!r} is not a serve option"
+        action = options[key]
+        if isinstance(action, argparse._StoreTrueAction):
+            assert isinstance(value, bool), f"{key} is a switch: true or false, not {value!r}"
+            argv += [f"--{key}"] if value else []
+        elif isinstance(value, list):
+            assert isinstance(action, argparse._AppendAction), f"{key} is not repeatable: give one value"
+            for item in value:
+                argv += [f"--{key}", str(item)]
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
