@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harmony_gateway.cli import build_parser, settings_from_args, visible_secret_warning
-from harmony_gateway.cli.config import DEPRECATED_ENV, env_name, serve_options
+from harmony_gateway.cli.config import DEPRECATED_ENV, client_key, env_name, serve_options
 from harmony_gateway.settings import Settings
 
 BASE = ["serve", "--worker-url", "grpc://h:1"]
@@ -277,3 +277,10 @@ def test_a_mistyped_flag_is_one_line_with_a_suggestion() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "(did you mean --policy?)" in proc.stderr, proc.stderr
+
+
+def test_render_sends_the_first_key_of_the_gateway_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert client_key({"HARMONY_GATEWAY_API_KEY": "sk-a, sk-b"}) == "sk-a"
+    assert client_key({}) is None
+    assert client_key({"HARMONY_GATEWAY_KEY": "sk-old"}) == "sk-old"
+    assert "HARMONY_GATEWAY_KEY is deprecated: name it HARMONY_GATEWAY_API_KEY" in capsys.readouterr().err

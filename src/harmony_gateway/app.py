@@ -273,7 +273,7 @@ def create_app(settings: Settings) -> FastAPI:
                 if gw.keys.file is not None:
                     # The key file is read again when it changes and on SIGHUP, without a restart.
                     tg.start_soon(gw.keys.watch)
-                    tg.start_soon(gw.keys.reload_on_hangup)
+                    await tg.start(gw.keys.reload_on_hangup)
                 try:
                     yield
                 finally:

@@ -22,6 +22,7 @@ import argparse
 import difflib
 import os
 import re
+import sys
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -224,6 +225,20 @@ class Option:
         if choices is not None and value not in choices:
             raise ConfigError(f"{where}: {raw!r} is not one of {', '.join(map(str, choices))}")
         return value
+
+
+def client_key(environ: Mapping[str, str]) -> str | None:
+    """The key a client command (`render --gateway`) sends: the first of `HARMONY_GATEWAY_API_KEY`
+    (the variable the gateway reads its keys from, so one shell serves both), else of a deprecated
+    name, with a warning on stderr."""
+    names = [env_name("api-key"), *(name for name, option in DEPRECATED_ENV.items() if option == "api-key")]
+    for name in names:
+        keys = _split(environ.get(name, ""))
+        if keys:
+            if name != names[0]:
+                print(f"harmony-gateway: {name} is deprecated: name it {names[0]}", file=sys.stderr)
+            return keys[0]
+    return None
 
 
 def env_name(option: str) -> str:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import anyio
+from anyio.abc import TaskStatus
 
 # Re-exported: a key file entry parses into the settings record, which the middleware reads from here.
 from ..settings import KeyPolicy as KeyPolicy
@@ -152,13 +153,16 @@ class KeyRing:
             if await anyio.to_thread.run_sync(self.changed):
                 await anyio.to_thread.run_sync(self.reload)
 
-    async def reload_on_hangup(self) -> None:
-        """Reload the key file on every SIGHUP, until cancelled (a lifespan task). Signal handlers
-        belong to the main thread: elsewhere (an app served from another thread) it returns at once
-        and only `watch` reloads."""
+    async def reload_on_hangup(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Reload the key file on every SIGHUP, until cancelled (a lifespan task, started with
+        `TaskGroup.start`: SIGHUP is handled once that returns). Signal handlers belong to the main
+        thread: elsewhere (an app served from another thread) it returns at once and only `watch`
+        reloads."""
         if threading.current_thread() is not threading.main_thread():
+            task_status.started()
             return
         with anyio.open_signal_receiver(signal.SIGHUP) as signals:
+            task_status.started()
             async for _ in signals:
                 log.info("SIGHUP: reading the API key file %s again", self.file)
                 await anyio.to_thread.run_sync(self.reload)
