@@ -5,14 +5,22 @@ address; the demo's banner only once the port is bound and the gateway answers."
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import os
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from harmony_gateway.sim import SimConfig
 from tests.conftest import MODEL
@@ -111,3 +119,43 @@ async def test_the_demo_banner_comes_once_the_port_is_bound() -> None:
         assert index(lines, f"Playground: http://127.0.0.1:{port}/") > listening
         async with httpx.AsyncClient(timeout=10) as http:  # it answers what the banner shows
             assert (await http.get(f"http://127.0.0.1:{port}/readiness")).status_code == 200
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (PEM files)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_the_gateway_serves_https_with_its_own_certificate(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    port = free_port()
+    flags = ["--demo", "--port", str(port), "--storage", "memory://"]
+    async with serve(*flags, "--tls-cert-path", str(cert), "--ssl-keyfile", str(key)) as output:
+        await output.until(f"listening on https://127.0.0.1:{port}")
+        trust = ssl.create_default_context(cafile=str(cert))
+        async with httpx.AsyncClient(verify=trust, timeout=10) as http:
+            assert (await http.get(f"https://127.0.0.1:{port}/health")).status_code == 200
