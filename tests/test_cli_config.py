@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harmony_gateway.cli import build_parser, settings_from_args, visible_secret_warning
+from harmony_gateway.cli.checks import setting_problem
 from harmony_gateway.cli.config import DEPRECATED_ENV, client_key, env_name, serve_options
 from harmony_gateway.settings import Settings
 
@@ -284,3 +285,24 @@ def test_render_sends_the_first_key_of_the_gateway_variable(capsys: pytest.Captu
     assert client_key({}) is None
     assert client_key({"HARMONY_GATEWAY_KEY": "sk-old"}) == "sk-old"
     assert "HARMONY_GATEWAY_KEY is deprecated: name it HARMONY_GATEWAY_API_KEY" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "fragment"),
+    [
+        ("HARMONY_GATEWAY_QUEUE_TIMEOUT", "0", "--queue-timeout 0: must be above 0"),
+        ("HARMONY_GATEWAY_MODEL_POLICY", "acme/m=fastest", "--model-policy acme/m=fastest: unknown routing"),
+        ("HARMONY_GATEWAY_WORKERS", "0", "--workers 0: must be 1 or more"),
+        ("HARMONY_GATEWAY_KV_TEMPERATURE", "-1", "--kv-temperature -1: temperature must be 0 or more"),
+        ("HARMONY_GATEWAY_WORKER_URL", "engine:1", "--worker-url engine:1: has no scheme"),
+    ],
+)
+def test_a_problem_names_where_its_option_was_set(
+    variable: str, value: str, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, value)
+    args = parse("--policy", "kv_aware")
+    problem = setting_problem(settings_from_args(args))
+    assert problem is not None
+    assert problem.describe(args.option_sources) == f"{problem} (set by {variable})"
+    assert fragment in str(problem)

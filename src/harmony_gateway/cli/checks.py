@@ -81,13 +81,13 @@ def setting_problem(settings: Settings) -> StartupError | None:
 def _policy_problem(settings: Settings) -> StartupError | None:
     named = [("policy", settings.policy), ("prefill_policy", settings.prefill_policy)]
     named += [("decode_policy", settings.decode_policy)]
-    named += [("model_policies", f"{model}={name}") for model, name in settings.model_policies.items()]
+    named += [("model_policy", f"{model}={name}") for model, name in settings.model_policies.items()]
     for dest, value in named:
         name = value.rpartition("=")[2] if value is not None else None
         if name is not None and name not in POLICIES:
             return StartupError(
-                f"{flag(dest) if dest != 'model_policies' else '--model-policy'} {value}: unknown routing "
-                f"policy {name!r}; expected one of {', '.join(sorted(POLICIES))}",
+                f"{flag(dest)} {value}: unknown routing policy {name!r}; expected one of "
+                f"{', '.join(sorted(POLICIES))}",
                 dest,
             )
     for policy, cls in (("cache_aware", CacheAwarePolicy), ("kv_aware", KvAwarePolicy)):
@@ -159,7 +159,7 @@ def _number_problem(settings: Settings) -> StartupError | None:
         if port is not None and not 0 <= port < 65536:
             return StartupError(f"{flag(dest)} {port}: not a port (0 to 65535)", dest)
     if settings.processes < 1:
-        return StartupError(f"--workers {settings.processes}: must be 1 or more", "processes")
+        return StartupError(f"--workers {settings.processes}: must be 1 or more", "workers")
     return None
 
 
