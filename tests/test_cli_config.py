@@ -13,7 +13,7 @@ import pytest
 
 from harmony_gateway.cli import build_parser, settings_from_args, visible_secret_warning
 from harmony_gateway.cli.checks import setting_problem
-from harmony_gateway.cli.config import DEPRECATED_ENV, client_key, env_name, serve_options
+from harmony_gateway.cli.config import DEPRECATED_ENV, NOT_OPTIONS, client_key, env_name, serve_options
 from harmony_gateway.settings import Settings
 
 BASE = ["serve", "--worker-url", "grpc://h:1"]
@@ -306,3 +306,10 @@ def test_a_problem_names_where_its_option_was_set(
     assert problem is not None
     assert problem.describe(args.option_sources) == f"{problem} (set by {variable})"
     assert fragment in str(problem)
+
+
+def test_the_gateways_own_variables_are_not_taken_for_options() -> None:
+    from harmony_gateway.app import SHARED_SLOTS_ENV
+    from harmony_gateway.cli.serve import SERVE_ARGV_ENV
+
+    assert {SHARED_SLOTS_ENV, SERVE_ARGV_ENV, "HARMONY_GATEWAY_CACHE_DIR"} <= NOT_OPTIONS
