@@ -56,6 +56,7 @@ from .surfaces.responses.service.runner import BackgroundRunner, default_runner_
 from .surfaces.table import route_map
 from .tasks import TaskSupervisor
 from .traffic import drain
+from .traffic.keys import KeyRing
 from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
 
 log = logging.getLogger(__name__)
@@ -92,9 +93,12 @@ def load_vocabularies() -> HarmonyEncoding:
     return get_encoding()
 
 
-def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> GatewayState:
+def build_state(
+    settings: Settings, *, tasks: TaskSupervisor | None = None, keys: KeyRing | None = None
+) -> GatewayState:
     """The gateway's object graph, nothing started yet: the app lifespan starts the store, enters the
-    MCP pool and closes `tasks` (a new supervisor when not given) at shutdown."""
+    MCP pool and closes `tasks` (a new supervisor when not given) at shutdown. `keys` are the tenant
+    keys in force (the settings' when not given)."""
     encoding = load_vocabularies()
 
     def policy_for(model: str, role: str) -> object:
@@ -116,6 +120,8 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         health_timeout=settings.health_timeout,
         default_engine=settings.engine,
         breaker_cooldown=settings.breaker_cooldown,
+        retry_interval=settings.health_interval,
+        served_model_name=settings.served_model_name,
     )
     health = HealthConfig(
         interval=settings.health_interval,
@@ -150,6 +156,7 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         health_config=health,
         background=BackgroundRunner(default_runner_id(settings.port), tasks),
         tasks=tasks,
+        keys=keys if keys is not None else KeyRing.from_settings(settings),
         discovery=_dns_discovery(settings, fleet, metrics),
         kv_subscriptions=kv_subscriptions,
     )
@@ -199,12 +206,14 @@ async def _purge_expired(state: GatewayState) -> None:
 
 
 async def _watch_workers(state: GatewayState, checker: HealthChecker) -> None:
-    """Probe workers whose model is still unknown (unreachable at start-up); the checker does the rest."""
+    """Probe workers whose model is still unknown (unreachable at start-up), each as its back-off allows
+    (`Fleet.due_for_probe`); the checker does the rest."""
     while True:
         await anyio.sleep(state.settings.health_interval)
-        for worker in state.fleet.all_workers():
-            if worker.model_info is None:
-                await state.fleet.probe(worker)
+        async with anyio.create_task_group() as tg:
+            for worker in state.fleet.all_workers():
+                if state.fleet.due_for_probe(worker):
+                    tg.start_soon(state.fleet.probe, worker)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -213,7 +222,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw = build_state(settings, tasks=tasks)
+        gw = build_state(settings, tasks=tasks, keys=control.keys)
         app.state.gateway = gw
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
@@ -265,6 +274,10 @@ def create_app(settings: Settings) -> FastAPI:
                 # Also without retention: expiring gateway values (restorable reasoning) are purged here.
                 tg.start_soon(_purge_expired, gw)
                 tg.start_soon(control.run)
+                if gw.keys.file is not None:
+                    # The key file is read again when it changes and on SIGHUP, without a restart.
+                    tg.start_soon(gw.keys.watch)
+                    await tg.start(gw.keys.reload_on_hangup)
                 try:
                     yield
                 finally:

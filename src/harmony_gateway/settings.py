@@ -57,6 +57,9 @@ class Settings:
     worker_dns_drain_timeout: float | None = None
     engine: str = "auto"  # sglang | vllm | auto
     harmony_models: frozenset[str] = frozenset()
+    #: The name clients use for the model the workers serve (`--served-model-name`), whatever name the
+    #: engines report; None: the engines' names. Every worker must then serve the same model.
+    served_model_name: str | None = None
     policy: str = "round_robin"
     model_policies: dict[str, str] = field(default_factory=dict)
     prefill_policy: str | None = None
@@ -176,8 +179,12 @@ class Settings:
     token_rate_limit: int | None = None
     #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
     rate_limit_store: str | None = None
-    #: Key file entries with their own limits and priority (`KeyPolicy`), by key.
+    #: Key file entries with their own limits and priority (`KeyPolicy`), by key, as read at start-up
+    #: (their keys are among `api_keys`).
     key_policies: dict[str, KeyPolicy] = field(default_factory=dict)
+    #: The key file (`--api-key-file`): read again when it changes and on SIGHUP (traffic/keys.py
+    #: `KeyRing`); None: the keys are fixed.
+    api_key_file: str | None = None
     #: SIGTERM: seconds in-flight requests may take to finish before they are cut.
     drain_timeout: float = 30.0
     #: OTLP/HTTP collector base URL (http://host:4318); None: tracing off.
@@ -194,6 +201,10 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    #: The gateway's own TLS (`--ssl-certfile`, `--ssl-keyfile`: PEM files); None: plain HTTP (a proxy
+    #: in front terminates TLS).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     #: Peers (IPs, CIDRs, or "*") whose `X-Forwarded-For` / `X-Forwarded-Proto` are believed: the client
     #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
     #: default would trust 127.0.0.1, so any local client could pick its address).

@@ -149,6 +149,9 @@ def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
         # Forwarded headers only from the configured proxies; uvicorn would trust 127.0.0.1 by default.
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": list(settings.forwarded_allow_ips) or None,
+        # HTTPS when both are set (cli/checks.py refuses one without the other).
+        "ssl_certfile": settings.ssl_certfile,
+        "ssl_keyfile": settings.ssl_keyfile,
     }
 
 

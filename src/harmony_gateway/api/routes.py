@@ -46,7 +46,7 @@ def principal_of(state: GatewayState, request: Request, *, admin: bool = False) 
     credential (api/admin.py), which stands in for a missing tenant key as the `ADMIN` principal."""
     principal = request.scope.get("state", {}).get("principal")
     if principal is None:
-        principal = authenticate(state.settings, request.headers)
+        principal = authenticate(state.keys, request.headers)
         if principal is None:
             if not admin:
                 raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
+    from ..traffic.keys import KeyRing
     from .output_spec import OutputSpec
     from .tokenizer import ModelTokenizer
 
@@ -109,6 +110,8 @@ class GatewayState:
     background: BackgroundResponses
     #: The owner of every task that outlives its request; the lifespan's shutdown ends them.
     tasks: TaskSupervisor
+    #: The tenant keys in force, shared with traffic control; a key file reload changes them.
+    keys: KeyRing
     #: Tokenizers of non-Harmony models, by model, as loaded (pipeline/tokenizer.py).
     tokenizers: dict[str, ModelTokenizer] = field(default_factory=dict)
     #: The loads under way, by model: concurrent first requests of a model share one.

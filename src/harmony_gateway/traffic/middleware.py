@@ -48,7 +48,7 @@ from ..tasks import TaskSupervisor
 from ..types.limits import LOOP_BODY_BYTES
 from ..wire import Wire, WiredRequest, error_headers
 from .admission import Admission, SharedSlots, Slot
-from .keys import KeyPolicy
+from .keys import KeyPolicy, KeyRing
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
 from .routes import RouteCost, RouteMap, estimate_tokens
 
@@ -184,8 +184,11 @@ class TrafficControl:
         shared_slots_path: str | None = None,
         *,
         tasks: TaskSupervisor,
+        keys: KeyRing | None = None,
     ) -> None:
         self.settings = settings
+        #: The tenant keys in force (a key file reload changes them).
+        self.keys = keys if keys is not None else KeyRing.from_settings(settings)
         self.tasks = tasks
         self.metrics = TrafficMetrics(registry) if registry is not None else None
         self.admission: Admission | None = None
@@ -207,11 +210,6 @@ class TrafficControl:
             if settings.rate_limit_store
             else LocalBuckets()
         )
-        self.limits_on = bool(
-            settings.rate_limit
-            or settings.token_rate_limit
-            or any(p.rate_limit or p.token_rate_limit for p in settings.key_policies.values())
-        )
         self.draining = False
         #: Set when the drain begins: long-lived connections (Responses WebSockets) close then.
         self.drain_begun = asyncio.Event()
@@ -222,6 +220,11 @@ class TrafficControl:
         self._drain_expired = False
         #: Running background responses (set by the app): the drain waits for them too.
         self.background_running: Callable[[], int] = lambda: 0
+
+    @property
+    def limits_on(self) -> bool:
+        """Some budget applies: a gateway-wide limit, or a key's own (which a key file reload may add)."""
+        return bool(self.settings.rate_limit or self.settings.token_rate_limit or self.keys.has_limits)
 
     def attach_metrics(self, metrics: TrafficMetrics) -> None:
         self.metrics = metrics
@@ -243,14 +246,14 @@ class TrafficControl:
         """The budget's owner: the API key's id, or the client address when the gateway has no keys;
         None for an unknown key (the route answers 401). The principal found is kept on the request
         (`state.principal`), so the route does not authenticate twice."""
-        principal = authenticate(self.settings, headers)
+        principal = authenticate(self.keys, headers)
         if principal is None:
             return None, None
         scope.setdefault("state", {})["principal"] = principal
         if not principal.key_id:
             client = scope.get("client")
             return f"addr:{client[0] if client else 'unknown'}", None
-        return f"key:{principal.key_id}", self.settings.key_policies.get(presented_key(headers))
+        return f"key:{principal.key_id}", self.keys.key_policies.get(presented_key(headers))
 
     def priority(self, policy: KeyPolicy | None) -> int:
         return policy.priority if policy is not None and policy.priority is not None else 0
