@@ -9,10 +9,8 @@ import importlib
 import os
 import shutil
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 
@@ -59,23 +57,3 @@ def serve_options() -> dict[str, argparse.Action]:
         for flag in action.option_strings
         if flag.startswith("--")
     }
-
-
-def config_argv(config: Mapping[str, Any]) -> list[str]:
-    """The command line a configuration file stands for: each key an option name, a list one flag per
-    item (for a repeatable option), `true` a switch. Fails on a key that is no `serve` option."""
-    options = serve_options()
-    argv: list[str] = []
-    for key, value in config.items():
-        assert key in options, f"{key!r} is not a serve option"
-        action = options[key]
-        if isinstance(action, argparse._StoreTrueAction):
-            assert isinstance(value, bool), f"{key} is a switch: true or false, not {value!r}"
-            argv += [f"--{key}"] if value else []
-        elif isinstance(value, list):
-            assert isinstance(action, argparse._AppendAction), f"{key} is not repeatable: give one value"
-            for item in value:
-                argv += [f"--{key}", str(item)]
-        else:
-            argv += [f"--{key}", str(value)]
-    return argv

@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 import yaml
 
-from harmony_gateway.cli import invalid_setting, settings_from_args
+from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args
 from harmony_gateway.routing.dns_discovery import parse_dns_target
 from tests.deploy.kit import (
     DOCKERFILE,
     KUBERNETES,
-    config_argv,
     require_module,
     serve_options,
-    serve_parser,
 )
 
 #: The oldest Kubernetes release the manifests are checked against, besides the newest the package knows.
@@ -29,7 +27,6 @@ OLDEST_KUBERNETES = "1.28.0"
 CONFIG_FLAG = "--config"
 #: The configuration file option: given on the container's command line, it is the one flag the kit
 #: passes that the ConfigMap cannot hold.
-KIT_FLAGS = {CONFIG_FLAG}
 APP = "harmony-gateway"
 
 Object = dict[str, Any]
@@ -190,8 +187,7 @@ def test_configmap_and_secret_references_agree() -> None:
 def test_the_command_line_names_only_serve_options() -> None:
     options = set(serve_options())
     flags = [a for a in container(gateway())["args"] if a.startswith("--")]
-    # `--config FILE` is the configuration file option (the kit's one flag; see KIT_FLAGS).
-    assert set(flags) <= {f"--{o}" for o in options} | KIT_FLAGS
+    assert set(flags) <= {f"--{o}" for o in options}
     assert set(config_file()) <= options, set(config_file()) - options
 
 
@@ -212,10 +208,20 @@ def test_the_config_file_is_accepted_by_serve_with_the_pod_files_and_environment
     secret = object_data("Secret", "harmony-gateway-keys")
     for variable in container(deployment)["env"]:
         monkeypatch.setenv(variable["name"], secret[variable["valueFrom"]["secretKeyRef"]["key"]])
-    for variable in ("HARMONY_GATEWAY_API_KEYS", "HARMONY_GATEWAY_REASONING_KEY", "HARMONY_MODELS"):
+    for variable in (
+        "HARMONY_GATEWAY_API_KEY",
+        "HARMONY_GATEWAY_API_KEYS",
+        "HARMONY_GATEWAY_KEY",
+        "HARMONY_GATEWAY_REASONING_KEY",
+        "HARMONY_MODELS",
+        "HARMONY_GATEWAY_CONFIG",
+    ):
         monkeypatch.delenv(variable, raising=False)
 
-    args = serve_parser().parse_args(config_argv(config))
+    # Read as the gateway reads it: `serve --config FILE`, with the pod's environment.
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    args = build_parser().parse_args(["serve", "--config", str(config_path)])
     settings = settings_from_args(args)
     assert invalid_setting(settings) is None
     # What the Secret holds reaches the settings.

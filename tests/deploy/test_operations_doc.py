@@ -20,7 +20,6 @@ HISTOGRAM_SERIES = re.compile(r"_(?:bucket|sum|count)$")
 #: Names that look like metrics but are not: the package's own name.
 NOT_METRICS = {"harmony_gateway"}
 #: `--config FILE`, the configuration file option the kit's Deployment passes (tests/deploy/test_kubernetes.py).
-KIT_FLAGS = {"--config"}
 
 
 def exported_metrics() -> set[str]:
@@ -83,7 +82,7 @@ def test_every_yaml_block_parses_and_every_flag_is_real() -> None:
         yaml.safe_load(block)
     text = DOC.read_text()
     mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", text))
-    flags = all_flags() | KIT_FLAGS
+    flags = all_flags()
     # Flags of other programs the page shows (docker, kubectl) are not the gateway's.
     others = {"--rm"}
     assert mentioned - others <= flags, sorted(mentioned - others - flags)
