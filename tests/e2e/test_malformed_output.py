@@ -103,6 +103,6 @@ async def test_recoveries_are_counted_by_kind(client: openai.AsyncOpenAI, gatewa
         for line in text.splitlines()
         if line and line[0] != "#"
     }
-    assert lines['harmony_channel_parse_errors_total{kind="unknown_channel"}'] >= 1
-    assert lines['harmony_channel_parse_errors_total{kind="stray_text"}'] >= 1
-    assert lines["harmony_channel_unexpected_order_total"] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="unknown_channel"}'] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="stray_text"}'] >= 1
+    assert lines["gateway_harmony_channel_unexpected_order_total"] >= 1

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from harmony_gateway.observability.metrics import (
+    METRIC_PREFIX,
+    Declared,
     GatewayMetrics,
     MetricSet,
     counter,
@@ -80,3 +84,28 @@ def test_multiprocess_mode_merges_process_files(tmp_path: Path) -> None:
         )
     assert 'gateway_retries_total{model="m"} 6.0' in out.stdout
     assert any(p.name.startswith("counter_") for p in tmp_path.iterdir())
+
+
+def _metric_sets(cls: type[MetricSet]) -> Iterator[type[MetricSet]]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _metric_sets(sub)
+
+
+def test_every_declared_metric_has_the_one_prefix() -> None:
+    """Every `MetricSet` of the gateway, configured or not, names its metrics `gateway_*` (the process
+    gauges of multi-process mode keep prometheus-client's standard `process_*` names)."""
+    for module in ("routing.dns_discovery", "routing.kv_subscriptions", "traffic.middleware"):
+        importlib.import_module(f"harmony_gateway.{module}")
+    sets = [cls for cls in _metric_sets(MetricSet) if cls.__module__.startswith("harmony_gateway.")]
+    assert {"GatewayMetrics", "TrafficMetrics", "KvEventMetrics", "DnsMetrics"} <= {c.__name__ for c in sets}
+    names = []
+    for cls in sets:
+        for value in vars(cls).values():
+            if isinstance(value, Declared):
+                registry = CollectorRegistry()
+                value.build(registry)
+                names += [family.name for family in registry.collect()]
+    assert names
+    allowed = (METRIC_PREFIX, "process_")
+    assert [name for name in names if not name.startswith(allowed)] == []

@@ -93,7 +93,7 @@ MAX_HEADER_TOKENS = 256
 _LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
 
-# Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of harmony_channel_parse_errors_total).
+# Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of gateway_harmony_channel_parse_errors_total).
 RECOVERED_HEADER = "broken_header"  # a header openai-harmony rejects (doubled <|start|>assistant, junk)
 RECOVERED_STRAY_TEXT = "stray_text"  # tokens between messages, skipped up to the next <|start|>
 RECOVERED_CONTROL_IN_CONTENT = "control_token_in_content"  # a control token where text was expected
@@ -101,7 +101,7 @@ RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not a
 RECOVERED_LONG_HEADER = (
     "header_too_long"  # a header or header field over its cap, skipped to the next <|start|>
 )
-# Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
+# Unexpected order (gateway_harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
 # not the final answer, or analysis/commentary written after the final answer.
 
 

@@ -46,6 +46,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0
 BREAKER_STATES = ("closed", "open", "half_open")
 WORKER_LABELS = ("worker", "url", "kind", "model", "engine")
 ROUTE_MODEL = ("route", "model")
+#: The one prefix of every metric the gateway defines (beside prometheus-client's process_* and python_*).
+METRIC_PREFIX = "gateway_"
 
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 #: How prometheus-client merges a gauge's per-process values (`Gauge(multiprocess_mode=...)`).
@@ -180,7 +182,7 @@ class GatewayMetrics(MetricSet):
     )
     # The Responses tool loop (surfaces/responses/service/turns.py, mcp/tool_loop.py).
     mcp_iterations = histogram(
-        "harmony_mcp_iterations",
+        "gateway_mcp_iterations",
         "Model generations per Responses request that offered gateway-executed tools",
         ["model"],
         buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
@@ -197,42 +199,44 @@ class GatewayMetrics(MetricSet):
         ["server", "tool"],
         buckets=LATENCY_BUCKETS,
     )
-    harmony_requests = counter("harmony_requests_total", "Requests served by a Harmony model")
+    harmony_requests = counter("gateway_harmony_requests_total", "Requests served by a Harmony model")
     unbacked_tools_dropped = counter(
         "gateway_unbacked_tools_dropped_total",
         "Hosted tools left out of a prompt because nothing on the gateway backs them",
         ["type"],
     )
     harmony_reasoning_budget_exceeded = counter(
-        "harmony_reasoning_budget_exceeded_total",
+        "gateway_harmony_reasoning_budget_exceeded_total",
         "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
         ROUTE_MODEL,
     )
     harmony_parsing_errors = counter(
-        "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable"
+        "gateway_harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable"
     )
     harmony_channel_messages = counter(
-        "harmony_channel_messages_total", "Harmony messages parsed from model output, by channel", ["channel"]
+        "gateway_harmony_channel_messages_total",
+        "Harmony messages parsed from model output, by channel",
+        ["channel"],
     )
     # Recoveries of the token-level parser (by kind) and of the text-level one (HTTP upstreams,
     # non-Harmony models; kind "text", fed from `ParserStats`).
     harmony_channel_unexpected_order = counter(
-        "harmony_channel_unexpected_order_total",
+        "gateway_harmony_channel_unexpected_order_total",
         "Messages out of the expected order: analysis/commentary after a final answer, or a reply ended "
         "by <|return|> on a message that is not the answer",
     )
     harmony_channel_parse_errors = counter(
-        "harmony_channel_parse_errors_total",
+        "gateway_harmony_channel_parse_errors_total",
         "Malformed spans in model output the parsers recovered from, by kind",
         ["kind"],
     )
     harmony_marker_fallback = counter(
-        "harmony_marker_fallback_total",
+        "gateway_harmony_marker_fallback_total",
         "Text outputs without Harmony markers that fell back to a marker or to pass-through",
         ["fallback"],
     )
     harmony_reasoning_answer_ratio = histogram(
-        "harmony_reasoning_answer_ratio",
+        "gateway_harmony_reasoning_answer_ratio",
         "Reasoning characters per answer character, one observation per choice with an answer",
         buckets=RATIO_BUCKETS,
     )
@@ -443,6 +447,7 @@ def finish_request(ctx: ObservedRequest) -> None:
 
 
 __all__ = [
+    "METRIC_PREFIX",
     "FleetCollector",
     "GatewayMetrics",
     "MetricSet",
