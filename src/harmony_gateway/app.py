@@ -53,7 +53,7 @@ from .surfaces.responses.service.runner import BackgroundRunner, default_runner_
 from .surfaces.table import route_map
 from .tasks import TaskSupervisor
 from .traffic import drain
-from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
+from .traffic.middleware import TrafficControl, TrafficMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.gateway = gw
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
-        control.attach_metrics(TrafficMetrics(gw.metrics.registry))
+        control.attach_metrics(gw.metrics.registry)
         control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
