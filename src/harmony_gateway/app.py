@@ -242,7 +242,7 @@ def create_app(settings: Settings) -> FastAPI:
                     checker,
                     gw.fleet.admit,
                     default_runner_id(settings.port),
-                    after_sync=gw.metrics.refresh_fleet,
+                    after_sync=gw.metrics.refresh_files,
                 )
                 await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.

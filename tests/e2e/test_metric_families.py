@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harmony_gateway.observability.metrics import METRIC_PREFIX
 from harmony_gateway.sim import SimConfig
+from tests.conftest import MODEL
 from tests.e2e._fleet import chat, sims
 from tests.support.servers import running_gateway, test_settings
 from tests.traffic._support import REDIS_URL, redis_keys, require_redis  # noqa: F401  (a fixture)
@@ -69,3 +70,22 @@ async def test_no_gauge_for_what_is_not_configured() -> None:
     assert STORE_GAUGE not in text  # not even its HELP line: budgets are per process, by design
     assert not ADMISSION_GAUGES & set(found)
     assert "gateway_rate_limited" in found  # the counters stay, at 0 until something is refused
+
+
+async def test_process_and_python_metrics_are_on_the_app_registry() -> None:
+    async with sims(SimConfig()) as (engine,):
+        settings = test_settings(worker_urls=(engine.url,))
+        async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            assert (await chat(http, model=MODEL)).status_code == 200
+            found = families((await http.get("/metrics")).text)
+    for name in (
+        "process_resident_memory_bytes",
+        "process_cpu_seconds",
+        "process_open_fds",
+        "process_start_time_seconds",
+        "python_info",
+        "python_gc_objects_collected",
+    ):
+        assert name in found, name
+    [(_, resident)] = found["process_resident_memory_bytes"]
+    assert resident > 10 * 1024 * 1024

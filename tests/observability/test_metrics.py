@@ -109,3 +109,50 @@ def test_every_declared_metric_has_the_one_prefix() -> None:
     assert names
     allowed = (METRIC_PREFIX, "process_")
     assert [name for name in names if not name.startswith(allowed)] == []
+
+
+_STAYS = """
+import sys
+from harmony_gateway.observability.metrics import GatewayMetrics
+GatewayMetrics().refresh_files()
+print("written", flush=True)
+sys.stdin.read()
+"""
+_SCRAPES = """
+import os
+from harmony_gateway.observability.metrics import GatewayMetrics
+print(os.getpid())
+print(GatewayMetrics().render()[0].decode())
+"""
+
+
+def test_multiprocess_mode_shows_each_live_process_and_forgets_dead_ones(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+
+    def scrape() -> tuple[str, dict[str, dict[str, float]]]:
+        out = subprocess.run(
+            [sys.executable, "-c", _SCRAPES], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        pid, text = out.split("\n", 1)
+        by_family: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                by_family.setdefault(s.name, {})[s.labels.get("pid", "")] = s.value
+        return pid, by_family
+
+    stays = subprocess.Popen(
+        [sys.executable, "-c", _STAYS], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert stays.stdout is not None and stays.stdout.readline().strip() == "written"
+        pid, found = scrape()
+        assert set(found["process_resident_memory_bytes"]) == {str(stays.pid), pid}
+        assert set(found["process_cpu_seconds_total"]) == {str(stays.pid), pid}
+        assert all(v > 1024 * 1024 for v in found["process_resident_memory_bytes"].values())
+        assert len(found["python_info"]) == 1
+    finally:
+        assert stays.stdin is not None
+        stays.stdin.close()
+        stays.wait(timeout=30)
+    pid, found = scrape()  # the process that left is forgotten by the next scrape
+    assert set(found["process_resident_memory_bytes"]) == {pid}

@@ -14,6 +14,12 @@ at each worker reconcile (about once a second, routing/shared_registry.py) and b
 the scrape, and merged: `gateway_worker_in_flight` sums the live processes, `gateway_worker_healthy` is
 the largest live value (health is shared, so they agree), and `gateway_worker_circuit_breaker_state`
 counts the live processes whose breaker for the worker is in each state (breakers are per process).
+
+prometheus-client's standard families are on the app's registry too: `process_*` (memory, CPU, file
+descriptors, start time) and `python_*` (version, garbage collector). With several processes each one
+writes its own `process_*` values to its files at the same moments as the worker gauges, shown with a
+`pid` label for every live process (a sum over them is the gateway's footprint); `python_info` is the
+same in all of them, and the collector's per-process garbage counts are left out.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -251,6 +260,7 @@ class GatewayMetrics(MetricSet):
         self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
         self._fleet_gauges: _FleetGauges | None = None
+        self._process_gauges: _ProcessGauges | None = None
         self._scrape_registry = r
         if multiprocess_dir():
             # Values live in per-process files; a fresh registry merges them at every scrape.
@@ -259,8 +269,17 @@ class GatewayMetrics(MetricSet):
             MultiProcessCollector(self._scrape_registry)  # type: ignore[no-untyped-call]
             if workers is not None:
                 self._fleet_gauges = _FleetGauges(r)
-        elif self._fleet is not None:
-            r.register(self._fleet)
+            # Each process's own process_* values, one series per live process (`pid`); python_info
+            # is the same in every process. A process's collector garbage counts are not merged.
+            self._process_gauges = _ProcessGauges(r)
+            PlatformCollector(registry=self._scrape_registry)
+        else:
+            if self._fleet is not None:
+                r.register(self._fleet)
+            # prometheus-client's default collectors, on this app's registry: process_*, python_*.
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
     def observe(self, ctx: ObservedRequest, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""
@@ -330,19 +349,22 @@ class GatewayMetrics(MetricSet):
             if st.content_chars:
                 self.harmony_reasoning_answer_ratio.observe(st.reasoning_chars / st.content_chars)
 
-    def refresh_fleet(self) -> None:
-        """Multi-process mode: write this process's worker gauges to its files (else nothing to do)."""
+    def refresh_files(self) -> None:
+        """Multi-process mode: write this process's worker gauges and its process_* values to its
+        files and drop the files of processes that are gone (else nothing to do)."""
+        if self._process_gauges is not None:
+            self._process_gauges.update()
         if self._fleet_gauges is not None and self._workers is not None:
             self._fleet_gauges.update(self._workers())
-            directory = multiprocess_dir()
-            if directory:
-                reap_dead_processes(directory)
+        directory = multiprocess_dir()
+        if directory and self._process_gauges is not None:
+            reap_dead_processes(directory)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         for refresh in self.before_render:
             refresh()
-        self.refresh_fleet()
+        self.refresh_files()
         return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
 
 
@@ -392,6 +414,49 @@ class _FleetGauges(MetricSet):
                     self.breaker.labels(values[0], values[1], state).set(0.0)
                     self.breaker.remove(values[0], values[1], state)
         self._seen = seen
+
+
+class _ProcessGauges(MetricSet):
+    """Multi-process mode: this process's `process_*` values (prometheus-client's `ProcessCollector`
+    reads them) as `liveall` gauges, so a scrape shows every live process's own, labelled `pid`."""
+
+    resident_memory = gauge(
+        "process_resident_memory_bytes", "Resident memory size in bytes", multiprocess_mode="liveall"
+    )
+    virtual_memory = gauge(
+        "process_virtual_memory_bytes", "Virtual memory size in bytes", multiprocess_mode="liveall"
+    )
+    cpu_seconds = gauge(
+        "process_cpu_seconds_total",
+        "Total user and system CPU time spent in seconds",
+        multiprocess_mode="liveall",
+    )
+    open_fds = gauge("process_open_fds", "Number of open file descriptors", multiprocess_mode="liveall")
+    max_fds = gauge("process_max_fds", "Maximum number of open file descriptors", multiprocess_mode="liveall")
+    start_time = gauge(
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds",
+        multiprocess_mode="liveall",
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self._reader = ProcessCollector(registry=None)
+        self._by_name = {
+            "process_resident_memory_bytes": self.resident_memory,
+            "process_virtual_memory_bytes": self.virtual_memory,
+            "process_cpu_seconds_total": self.cpu_seconds,
+            "process_open_fds": self.open_fds,
+            "process_max_fds": self.max_fds,
+            "process_start_time_seconds": self.start_time,
+        }
+
+    def update(self) -> None:
+        for family in self._reader.collect():
+            for sample in family.samples:
+                target = self._by_name.get(sample.name)
+                if target is not None:
+                    target.set(sample.value)
 
 
 def reap_dead_processes(directory: str) -> None:
