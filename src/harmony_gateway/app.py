@@ -23,6 +23,7 @@ import anyio
 from fastapi import FastAPI
 from openai_harmony import HarmonyEncoding
 
+from .api.accounting import RouteNames
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
 from .api.error_responses import UnexpectedErrorMiddleware, install_error_handlers
@@ -307,16 +308,14 @@ def create_app(settings: Settings) -> FastAPI:
         body_timeout=settings.body_timeout,
         routes=routes,
     )
-    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean 500.
-    app.add_middleware(UnexpectedErrorMiddleware, routes=routes)
+    routers = (surface_router, router, responses_router, workers_router, anthropic_router, inspector_router)
+    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean
+    # 500, and every request, refused or failed, is accounted once.
+    app.add_middleware(UnexpectedErrorMiddleware, routes=routes, names=RouteNames(routers))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
     install_error_handlers(app, routes)
-    app.include_router(surface_router)
-    app.include_router(router)
-    app.include_router(responses_router)
-    app.include_router(workers_router)
-    app.include_router(anthropic_router)
-    app.include_router(inspector_router)
+    for included in routers:
+        app.include_router(included)
     # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
     install_openapi(app)
     return app

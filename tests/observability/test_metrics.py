@@ -23,6 +23,7 @@ from harmony_gateway.observability.metrics import (
     histogram,
 )
 from harmony_gateway.pipeline.context import RequestContext
+from harmony_gateway.principal import ANONYMOUS, TENANT_PREFIX, Principal
 
 
 def samples(metrics: GatewayMetrics) -> dict[str, float]:
@@ -109,6 +110,27 @@ def test_every_declared_metric_has_the_one_prefix() -> None:
     assert names
     allowed = (METRIC_PREFIX, "process_")
     assert [name for name in names if not name.startswith(allowed)] == []
+
+
+def test_tokens_are_counted_by_key_id_never_for_an_open_gateway() -> None:
+    metrics = GatewayMetrics()
+    tenant = Principal(key_id="abc123", tenant=TENANT_PREFIX + "acme")
+    for principal in (tenant, Principal(key_id="def456", tenant="def456"), ANONYMOUS):
+        ctx = RequestContext(request_id="r", route="chat", model="m", metrics=metrics, principal=principal)
+        ctx.prompt_tokens, ctx.completion_tokens = 7, 3
+        finish_request(ctx)
+    metrics.observe_tokens(tenant, "m", 5, 2)  # a background response's, when it ends
+    s = samples(metrics)
+    assert (
+        s["gateway_key_prompt_tokens_total[('key_id', 'abc123'), ('model', 'm'), ('tenant', 'acme')]"] == 12
+    )
+    assert (
+        s["gateway_key_completion_tokens_total[('key_id', 'abc123'), ('model', 'm'), ('tenant', 'acme')]"]
+        == 5
+    )
+    assert s["gateway_key_prompt_tokens_total[('key_id', 'def456'), ('model', 'm'), ('tenant', '')]"] == 7
+    assert s["gateway_prompt_tokens_total[('model', 'm')]"] == 3 * 7 + 5
+    assert not [k for k in s if k.startswith("gateway_key_") and "('key_id', '')" in k]
 
 
 _STAYS = """

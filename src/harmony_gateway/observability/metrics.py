@@ -45,7 +45,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
-from .observed import ObservedParser, ObservedRequest, ObservedTextStats, ObservedWorker
+from .observed import (
+    ObservedParser,
+    ObservedPrincipal,
+    ObservedRequest,
+    ObservedTextStats,
+    ObservedWorker,
+)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,6 +61,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0
 BREAKER_STATES = ("closed", "open", "half_open")
 WORKER_LABELS = ("worker", "url", "kind", "model", "engine")
 ROUTE_MODEL = ("route", "model")
+KEY_MODEL = ("key_id", "tenant", "model")
 #: The one prefix of every metric the gateway defines (beside prometheus-client's process_* and python_*).
 METRIC_PREFIX = "gateway_"
 
@@ -186,6 +193,17 @@ class GatewayMetrics(MetricSet):
     completion_tokens = counter(
         "gateway_completion_tokens_total", "Completion tokens received from engines", ["model"]
     )
+    # Chargeback: tokens by API key (its id, a hash, never the key) and the key file's tenant name.
+    key_prompt_tokens = counter(
+        "gateway_key_prompt_tokens_total",
+        "Prompt tokens sent to engines for each API key (by key id) and its tenant",
+        KEY_MODEL,
+    )
+    key_completion_tokens = counter(
+        "gateway_key_completion_tokens_total",
+        "Completion tokens received from engines for each API key (by key id) and its tenant",
+        KEY_MODEL,
+    )
     retries = counter(
         "gateway_retries_total", "Engine requests retried on another worker before any output", ["model"]
     )
@@ -254,6 +272,7 @@ class GatewayMetrics(MetricSet):
         super().__init__(CollectorRegistry())
         r = self.registry
         self._series: dict[tuple[str, str, int], _RequestSeries] = {}
+        self._key_series: dict[tuple[str, str, str], tuple[Counter, Counter]] = {}
         #: Called before each scrape is rendered: what keeps gauges of its own refreshed (the KV-event
         #: feeds' per-worker gauges) brings them up to date.
         self.before_render: list[Callable[[], None]] = []
@@ -303,6 +322,8 @@ class GatewayMetrics(MetricSet):
             series.prompt_tokens.inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             series.completion_tokens.inc(ctx.completion_tokens)
+        if ctx.principal.key_id and (ctx.prompt_tokens or ctx.completion_tokens):
+            self._observe_key_tokens(ctx.principal, model, ctx.prompt_tokens, ctx.completion_tokens)
         first = ctx.first_token_at
         if first is not None:
             series.ttft.observe(first - ctx.started)
@@ -314,6 +335,33 @@ class GatewayMetrics(MetricSet):
             self.observe_harmony(ctx.parsers)
         if ctx.text_stats:
             self.observe_text_stats(ctx.text_stats)
+
+    def observe_tokens(
+        self, principal: ObservedPrincipal, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Record the tokens of work that outlives its request (a background response), by model and by
+        key; its request was recorded on its own, without them."""
+        if prompt_tokens:
+            self.prompt_tokens.labels(model).inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.labels(model).inc(completion_tokens)
+        if principal.key_id and (prompt_tokens or completion_tokens):
+            self._observe_key_tokens(principal, model, prompt_tokens, completion_tokens)
+
+    def _observe_key_tokens(
+        self, principal: ObservedPrincipal, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        labels = (principal.key_id, principal.tenant_name, model)
+        series = self._key_series.get(labels)
+        if series is None:
+            series = self._key_series[labels] = (
+                self.key_prompt_tokens.labels(*labels),
+                self.key_completion_tokens.labels(*labels),
+            )
+        if prompt_tokens:
+            series[0].inc(prompt_tokens)
+        if completion_tokens:
+            series[1].inc(completion_tokens)
 
     def observe_harmony(self, parsers: Sequence[ObservedParser]) -> None:
         """Record one Harmony request from its output parsers (choices, or tool-loop iterations).
