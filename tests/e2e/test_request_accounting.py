@@ -326,3 +326,41 @@ async def test_a_served_request_is_logged_with_its_key_and_tenant(stream: bool) 
         "acme",
     )
     assert line["prompt_tokens"] > 0 and line["completion_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "route", "status"),
+    [
+        ("/v1/chat/completions", chat_body(stream=True, text="[[long]] think hard"), "chat", 503),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
+                "max_tokens": 4000,
+                "stream": True,
+                "messages": [{"role": "user", "content": "[[long]] hi"}],
+            },
+            "messages",
+            529,  # Anthropic's overloaded
+        ),
+    ],
+)
+async def test_a_stream_cut_by_the_drain_is_counted_with_its_wires_overloaded_status(
+    path: str, body: dict[str, Any], route: str, status: int
+) -> None:
+    with request_lines() as lines:
+        async with gateway(SimConfig(tokens_per_second=20)) as (_, gw):
+            async with httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+                before = await scrape(http)
+                headers = {"authorization": f"Bearer {KEY}", "x-request-id": f"cut-{route}"}
+                async with http.stream("POST", path, json=body, headers=headers) as r:
+                    assert r.status_code == 200
+                    events = r.aiter_lines()
+                    await anext(events)  # under way
+                    assert not await gw.app.state.traffic.drain(0)
+                    tail = [line async for line in events]
+                assert any("overloaded" in line or "shutting_down" in line for line in tail)
+                line = await lines.wait_for(f"cut-{route}")
+                after = await scrape(http)
+    assert (line["status"], line["route"]) == (status, route)
+    assert counted(before, after) == {labels(route=route, model=MODEL, status=str(status)): 1.0}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, is_failure
+from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, Overloaded, is_failure
 from ..observability import tracing
 from ..observability.logging import CLIENT_CLOSED, requested_model
 from ..observability.metrics import finish_request
@@ -32,6 +32,8 @@ router = APIRouter()
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+#: What a stream cut from outside (a drain's timeout, a shutdown) is recorded as.
+SHUTTING_DOWN = Overloaded("the gateway shut down before this response finished", code="shutting_down")
 #: Deeper bodies are refused: the gateway stores and echoes what it was sent, and orjson writes at most
 #: 254 levels (openai-harmony gives up on a tool schema at about 120).
 MAX_JSON_DEPTH = 128
@@ -218,7 +220,11 @@ class EventStreamResponse(Response):
             except asyncio.CancelledError:
                 listening = False
                 if not writer_ended or listener.uncancel() > 0:
-                    raise  # cancelled from outside (shutdown, drain): the writer stops too
+                    # Cancelled from outside (shutdown, drain): the writer stops too, and the request
+                    # ends as its wire answers a gateway shutting down.
+                    if self._ctx.status < 400:
+                        self._ctx.status = self._ctx.wire.error_response(SHUTTING_DOWN)[0]
+                    raise
             if not writer.done():
                 await asyncio.wait((writer,))
             if not writer.cancelled():
