@@ -107,7 +107,10 @@ def chat_body(model: str = MODEL, stream: bool = False, text: str = "What is 2+2
 
 async def test_refusals_and_failures_are_each_one_line_and_one_count() -> None:
     with request_lines() as lines:
-        async with gateway() as (_, gw), httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+        async with (
+            gateway(max_body_bytes=64 * 1024) as (_, gw),
+            httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
+        ):
             # (request id, method, path, body, key, status, model logged, model label, route)
             cases: list[tuple[str, str, str, Any, str | None, int, str, str, str]] = [
                 ("bad-json", "POST", "/v1/chat/completions", b"{not json", KEY, 400, "", "unknown", "chat"),
@@ -167,6 +170,17 @@ async def test_refusals_and_failures_are_each_one_line_and_one_count() -> None:
                     "get_response",
                 ),
                 ("nowhere", "GET", "/v1/nothing/here", None, KEY, 404, "", "unknown", "unmatched"),
+                (
+                    "too-large",
+                    "POST",
+                    "/v1/chat/completions",
+                    chat_body(text="x" * 100_000),
+                    KEY,
+                    413,
+                    "",
+                    "unknown",
+                    "chat",
+                ),
                 (
                     "limited-1",
                     "POST",

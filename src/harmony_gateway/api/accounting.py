@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastapi import APIRouter
+from starlette.datastructures import Headers
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from ..observability.logging import CLIENT_CLOSED
 from ..observability.metrics import finish_request
 from ..pipeline.context import RequestContext
-from ..principal import ANONYMOUS, Principal
+from ..principal import ANONYMOUS, Principal, authenticate
 from ..traffic.middleware import REQUEST_CONTEXT
 from ..traffic.routes import RouteMap
 
@@ -64,13 +65,18 @@ def account_request(
         return
     if routes.cost(scope["method"], scope["path"]) is None:
         return
-    principal = state.get("principal")
     gateway = getattr(getattr(scope.get("app"), "state", None), "gateway", None)
+    principal = state.get("principal")
+    if not isinstance(principal, Principal):
+        # Refused before its key was looked at (a body over --max-body-bytes): look now, so the line
+        # names the key it came with when that key is valid.
+        found = authenticate(gateway.settings, Headers(scope=scope)) if gateway is not None else None
+        principal = found or ANONYMOUS
     finish_request(
         RequestContext(
             request_id=str(state.get("request_id") or ""),
             route=names.of(scope),
-            principal=principal if isinstance(principal, Principal) else ANONYMOUS,
+            principal=principal,
             started=started,
             status=status or CLIENT_CLOSED,
             metrics=gateway.metrics if gateway is not None else None,
