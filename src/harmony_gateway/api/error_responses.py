@@ -30,7 +30,7 @@ from ..errors import (
     InvalidRequest,
     is_failure,
 )
-from ..observability.logging import log_failure
+from ..observability.logging import CLIENT_CLOSED, log_failure
 from ..pipeline.context import RequestContext
 from ..traffic.middleware import REQUEST_CONTEXT
 from ..traffic.routes import RouteMap
@@ -129,14 +129,9 @@ def install_error_handlers(app: FastAPI, routes: RouteMap) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> Response:
-        # The client left before its body arrived: nothing to answer and nothing broken.
-        log.info(
-            "client left during the request body of %s %s (request %s)",
-            request.method,
-            request.url.path,
-            request_id_of(request),
-        )
-        return Response(status_code=499)
+        # The client left before its body arrived: nothing to answer and nothing broken. Its request
+        # line says so (status 499, api/accounting.py).
+        return Response(status_code=CLIENT_CLOSED)
 
 
 class UnexpectedErrorMiddleware(HttpMiddleware):
