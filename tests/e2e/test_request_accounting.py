@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -105,126 +106,88 @@ def chat_body(model: str = MODEL, stream: bool = False, text: str = "What is 2+2
     return {"model": model, "messages": [{"role": "user", "content": text}], "stream": stream}
 
 
+@dataclass(frozen=True)
+class Case:
+    """A request, what it is answered, and what its line and its count must say."""
+
+    request_id: str
+    path: str
+    status: int
+    route: str
+    body: Any = None
+    method: str = "POST"
+    key: str | None = KEY
+    logged_model: str = ""
+    model_label: str = "unknown"
+
+
+CHAT = "/v1/chat/completions"
+CASES = [
+    Case("bad-json", CHAT, 400, "chat", body=b"{not json"),
+    Case(
+        "invalid",
+        CHAT,
+        400,
+        "chat",
+        body={"model": MODEL, "messages": "hi"},
+        logged_model=MODEL,
+        model_label=MODEL,
+    ),
+    Case("unknown-model", CHAT, 404, "chat", body=chat_body("no-such-model"), logged_model="no-such-model"),
+    Case("bad-key", CHAT, 401, "chat", body=chat_body(), key="sk-wrong"),
+    Case("no-key", "/v1/responses", 401, "responses", body={"model": MODEL, "input": "hi"}, key=None),
+    Case("missing", "/v1/responses/resp_missing", 404, "get_response", method="GET"),
+    Case("nowhere", "/v1/nothing/here", 404, "unmatched", method="GET"),
+    Case("too-large", CHAT, 413, "chat", body=chat_body(text="x" * 100_000)),  # over --max-body-bytes
+    Case(
+        "limited-1",
+        CHAT,
+        200,
+        "chat",
+        body=chat_body(),
+        key=LIMITED_KEY,
+        logged_model=MODEL,
+        model_label=MODEL,
+    ),
+    Case("limited-2", CHAT, 429, "chat", body=chat_body(), key=LIMITED_KEY),
+]
+
+
 async def test_refusals_and_failures_are_each_one_line_and_one_count() -> None:
     with request_lines() as lines:
         async with (
             gateway(max_body_bytes=64 * 1024) as (_, gw),
             httpx.AsyncClient(base_url=gw.url, timeout=10) as http,
         ):
-            # (request id, method, path, body, key, status, model logged, model label, route)
-            cases: list[tuple[str, str, str, Any, str | None, int, str, str, str]] = [
-                ("bad-json", "POST", "/v1/chat/completions", b"{not json", KEY, 400, "", "unknown", "chat"),
-                (
-                    "invalid",
-                    "POST",
-                    "/v1/chat/completions",
-                    {"model": MODEL, "messages": "hi"},
-                    KEY,
-                    400,
-                    MODEL,
-                    MODEL,
-                    "chat",
-                ),
-                (
-                    "unknown-model",
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body("no-such-model"),
-                    KEY,
-                    404,
-                    "no-such-model",
-                    "unknown",
-                    "chat",
-                ),
-                (
-                    "bad-key",
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body(),
-                    "sk-wrong",
-                    401,
-                    "",
-                    "unknown",
-                    "chat",
-                ),
-                (
-                    "no-key",
-                    "POST",
-                    "/v1/responses",
-                    {"model": MODEL, "input": "hi"},
-                    None,
-                    401,
-                    "",
-                    "unknown",
-                    "responses",
-                ),
-                (
-                    "missing",
-                    "GET",
-                    "/v1/responses/resp_missing",
-                    None,
-                    KEY,
-                    404,
-                    "",
-                    "unknown",
-                    "get_response",
-                ),
-                ("nowhere", "GET", "/v1/nothing/here", None, KEY, 404, "", "unknown", "unmatched"),
-                (
-                    "too-large",
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body(text="x" * 100_000),
-                    KEY,
-                    413,
-                    "",
-                    "unknown",
-                    "chat",
-                ),
-                (
-                    "limited-1",
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body(),
-                    LIMITED_KEY,
-                    200,
-                    MODEL,
-                    MODEL,
-                    "chat",
-                ),
-                (
-                    "limited-2",
-                    "POST",
-                    "/v1/chat/completions",
-                    chat_body(),
-                    LIMITED_KEY,
-                    429,
-                    "",
-                    "unknown",
-                    "chat",
-                ),
-            ]
             before = await scrape(http)
-            for request_id, method, path, body, key, status, _, _, _ in cases:
-                headers = {"x-request-id": request_id}
-                if key is not None:
-                    headers["authorization"] = f"Bearer {key}"
-                content = body if isinstance(body, bytes) else None
-                payload = None if isinstance(body, bytes) else body
-                r = await http.request(method, path, headers=headers, content=content, json=payload)
-                assert r.status_code == status, (request_id, r.text)
+            for case in CASES:
+                headers = {"x-request-id": case.request_id}
+                if case.key is not None:
+                    headers["authorization"] = f"Bearer {case.key}"
+                raw = isinstance(case.body, bytes)
+                r = await http.request(
+                    case.method,
+                    case.path,
+                    headers=headers,
+                    content=case.body if raw else None,
+                    json=None if raw else case.body,
+                )
+                assert r.status_code == case.status, (case.request_id, r.text)
             after = await scrape(http)
-            for request_id, _, _, _, key, status, model, _, route in cases:
-                line = await lines.wait_for(request_id)
-                known = key if key in POLICIES else None
-                assert (line["status"], line["model"], line["route"]) == (status, model, route), request_id
-                assert line["key_id"] == (key_id(known) if known else ""), request_id
-    moved = counted(before, after)
+            for case in CASES:
+                line = await lines.wait_for(case.request_id)
+                assert (line["status"], line["model"], line["route"]) == (
+                    case.status,
+                    case.logged_model,
+                    case.route,
+                ), case.request_id
+                known = case.key in POLICIES
+                assert line["key_id"] == (key_id(case.key) if known and case.key else ""), case.request_id
     expected: dict[Any, float] = {}
-    for _, _, _, _, _, status, _, label, route in cases:
-        key_labels = labels(route=route, model=label, status=str(status))
-        expected[key_labels] = expected.get(key_labels, 0.0) + 1
-    assert moved == expected
+    for case in CASES:
+        series = labels(route=case.route, model=case.model_label, status=str(case.status))
+        expected[series] = expected.get(series, 0.0) + 1
+    assert counted(before, after) == expected
     for record in lines.records:
         message = record.getMessage()
         assert KEY not in message and LIMITED_KEY not in message
