@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from openai_harmony import HarmonyEncoding
 from starlette.routing import WebSocketRoute
 
+from .api.accounting import RouteNames
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
 from .api.error_responses import UnexpectedErrorMiddleware, install_error_handlers
@@ -57,7 +58,7 @@ from .surfaces.table import route_map
 from .tasks import TaskSupervisor
 from .traffic import drain
 from .traffic.keys import KeyRing
-from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
+from .traffic.middleware import TrafficControl, TrafficMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.gateway = gw
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
-        control.attach_metrics(TrafficMetrics(gw.metrics.registry))
+        control.attach_metrics(gw.metrics.registry)
         sockets.attach_metrics(SocketMetrics(gw.metrics.registry))
         control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
@@ -255,7 +256,7 @@ def create_app(settings: Settings) -> FastAPI:
                     checker,
                     gw.fleet.admit,
                     default_runner_id(settings.port),
-                    after_sync=gw.metrics.refresh_fleet,
+                    after_sync=gw.metrics.refresh_files,
                 )
                 await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
@@ -327,16 +328,14 @@ def create_app(settings: Settings) -> FastAPI:
         body_timeout=settings.body_timeout,
         routes=routes,
     )
-    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean 500.
-    app.add_middleware(UnexpectedErrorMiddleware, routes=routes)
+    routers = (surface_router, router, responses_router, workers_router, anthropic_router, inspector_router)
+    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean
+    # 500, and every request, refused or failed, is accounted once.
+    app.add_middleware(UnexpectedErrorMiddleware, routes=routes, names=RouteNames(routers))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
     install_error_handlers(app, routes)
-    app.include_router(surface_router)
-    app.include_router(router)
-    app.include_router(responses_router)
-    app.include_router(workers_router)
-    app.include_router(anthropic_router)
-    app.include_router(inspector_router)
+    for included in routers:
+        app.include_router(included)
     app.router.routes.append(WebSocketRoute(SOCKET_PATH, sockets, name="responses_socket"))
     # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
     install_openapi(app)

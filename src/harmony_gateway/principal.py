@@ -32,6 +32,11 @@ class Principal:
     #: An `--admin-key`: the admin plane only (api/admin.py); an admin key is never a tenant key.
     admin: bool = False
 
+    @property
+    def tenant_name(self) -> str:
+        """The key file's `tenant=NAME`; "" for a key that is its own tenant, and without keys."""
+        return self.tenant[len(TENANT_PREFIX) :] if self.tenant.startswith(TENANT_PREFIX) else ""
+
 
 ANONYMOUS = Principal(key_id="", tenant="")
 #: An admin credential on a tenant-plane route that shows fleet details (the prompt inspector): its

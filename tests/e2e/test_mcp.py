@@ -527,7 +527,7 @@ async def test_tool_metrics_recorded(mcp_gateway, mc, docs) -> None:
     async with httpx.AsyncClient() as http:
         text = (await http.get(mcp_gateway.url + "/metrics")).text
     assert 'gateway_mcp_tool_calls_total{outcome="success",server="docs",tool="lookup_user"}' in text
-    assert "harmony_mcp_iterations_bucket" in text
+    assert "gateway_mcp_iterations_bucket" in text
     assert "gateway_mcp_tool_duration_seconds_count" in text
 
 

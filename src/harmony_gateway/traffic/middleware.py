@@ -60,18 +60,11 @@ current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("
 
 
 class TrafficMetrics(MetricSet):
-    """Admission and rate-limit metrics, on the app's `GatewayMetrics` registry."""
+    """Admission and rate-limit metrics, on the app's `GatewayMetrics` registry. The gauges of a
+    component exist only when it is configured (`AdmissionGauges` with `--max-concurrent-requests`,
+    `RateLimitStoreGauges` with a Redis `--rate-limit-store`): a gauge that reads 0 for something the
+    gateway does not run is a false alarm for any alert rule."""
 
-    admission_in_flight = gauge(
-        "gateway_admission_in_flight",
-        "Generation requests admitted and not finished",
-        multiprocess_mode="livesum",
-    )
-    admission_queue_depth = gauge(
-        "gateway_admission_queue_depth",
-        "Generation requests waiting for admission",
-        multiprocess_mode="livesum",
-    )
     admission_wait = histogram(
         "gateway_admission_wait_seconds",
         "Time admitted requests waited in the queue",
@@ -87,7 +80,32 @@ class TrafficMetrics(MetricSet):
         "Requests refused by a rate limit, by limit (requests, tokens)",
         ["limit"],
     )
-    rate_limit_store_up = gauge(
+
+    def __init__(self, registry: Any, *, admission: bool = False, shared_store: bool = False) -> None:
+        super().__init__(registry)
+        self.admission_gauges = AdmissionGauges(registry) if admission else None
+        self.store_gauges = RateLimitStoreGauges(registry) if shared_store else None
+
+
+class AdmissionGauges(MetricSet):
+    """Admission's gauges: only on a gateway with a concurrency limit."""
+
+    in_flight = gauge(
+        "gateway_admission_in_flight",
+        "Generation requests admitted and not finished",
+        multiprocess_mode="livesum",
+    )
+    queue_depth = gauge(
+        "gateway_admission_queue_depth",
+        "Generation requests waiting for admission",
+        multiprocess_mode="livesum",
+    )
+
+
+class RateLimitStoreGauges(MetricSet):
+    """The shared rate-limit store's gauge: only on a gateway whose budgets live in Redis."""
+
+    up = gauge(
         "gateway_rate_limit_store_up",
         "1 while the shared rate-limit store (Redis) answers, 0 while budgets are per process",
         multiprocess_mode="min",
@@ -190,7 +208,7 @@ class TrafficControl:
         #: The tenant keys in force (a key file reload changes them).
         self.keys = keys if keys is not None else KeyRing.from_settings(settings)
         self.tasks = tasks
-        self.metrics = TrafficMetrics(registry) if registry is not None else None
+        self.metrics: TrafficMetrics | None = None
         self.admission: Admission | None = None
         if settings.max_concurrent_requests:
             shared = (
@@ -203,13 +221,12 @@ class TrafficControl:
                 settings.queue_size,
                 settings.queue_timeout,
                 shared=shared,
-                metrics=self.metrics,
             )
         self.buckets: LocalBuckets | RedisBuckets = (
-            RedisBuckets(settings.rate_limit_store, metrics=self.metrics)
-            if settings.rate_limit_store
-            else LocalBuckets()
+            RedisBuckets(settings.rate_limit_store) if settings.rate_limit_store else LocalBuckets()
         )
+        if registry is not None:
+            self.attach_metrics(registry)
         self.draining = False
         #: Set when the drain begins: long-lived connections (Responses WebSockets) close then.
         self.drain_begun = asyncio.Event()
@@ -226,13 +243,20 @@ class TrafficControl:
         """Some budget applies: a gateway-wide limit, or a key's own (which a key file reload may add)."""
         return bool(self.settings.rate_limit or self.settings.token_rate_limit or self.keys.has_limits)
 
-    def attach_metrics(self, metrics: TrafficMetrics) -> None:
+    def attach_metrics(self, registry: Any) -> None:
+        """Record on `registry` (the app's `GatewayMetrics.registry`): counters always, the gauges of
+        what is configured (admission, a shared rate-limit store) only."""
+        redis = self.buckets if isinstance(self.buckets, RedisBuckets) else None
+        metrics = TrafficMetrics(
+            registry, admission=self.admission is not None, shared_store=redis is not None
+        )
         self.metrics = metrics
         if self.admission is not None:
             self.admission.metrics = metrics
-        if isinstance(self.buckets, RedisBuckets):
-            self.buckets.metrics = metrics
-            metrics.rate_limit_store_up.set(1 if self.buckets.up else 0)
+            self.admission.report()
+        if redis is not None:
+            redis.gauges = metrics.store_gauges
+            redis.report()
 
     def request_limit(self, policy: KeyPolicy | None) -> int | None:
         return (policy.rate_limit if policy and policy.rate_limit else None) or self.settings.rate_limit
@@ -643,6 +667,8 @@ async def _acquire_watching(
 
 
 __all__ = [
+    "AdmissionGauges",
+    "RateLimitStoreGauges",
     "Ticket",
     "TrafficControl",
     "TrafficMetrics",

@@ -138,6 +138,11 @@ async def _run_background(
         await run_cleanups(ctx)  # this task's own engine streams
         if state.metrics is not None:
             state.metrics.observe_harmony(plan.parsers)
+            # Its request was recorded when it was queued, before any token: the tokens count here.
+            usage = plan.usage()
+            state.metrics.observe_tokens(
+                ctx.principal, plan.prepared.group.name, usage["input_tokens"], usage["output_tokens"]
+            )
 
 
 async def _end_cancelled(
