@@ -12,8 +12,11 @@ from typing import get_args
 import pytest
 
 import harmony_gateway
+from harmony_gateway.app import feed_config
 from harmony_gateway.cli import build_parser, invalid_setting, settings_from_args, visible_secret_warning
 from harmony_gateway.engines.registry import GRPC_ENGINES
+from harmony_gateway.routing.kv_index import DEFAULT_MAX_BLOCKS
+from harmony_gateway.routing.kv_subscriptions import FeedConfig
 from harmony_gateway.settings import Settings
 from harmony_gateway.sim.server import EngineKind
 from harmony_gateway.storage import ConversationLimits
@@ -169,6 +172,25 @@ def test_conversation_limit_flags() -> None:
     assert default.conversation_limits == ConversationLimits(max_items=10_000, max_bytes=8 * 1024 * 1024)
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--max-conversation-bytes", "0"])
+
+
+def test_kv_event_flags_reach_the_settings_and_the_feeds() -> None:
+    base = ["serve", "--worker-url", "grpc://h:1"]
+    default = settings_from_args(build_parser().parse_args(base))
+    assert feed_config(default) == FeedConfig(poll_timeout=default.health_timeout)
+    assert default.kv_index_max_blocks == DEFAULT_MAX_BLOCKS
+    flags = ["--kv-events", "off", "--kv-index-max-blocks", "1000", "--engine-wedge-ms", "0"]
+    flags += ["--engine-prefill-rate", "500", "--load-poll-interval", "2.5"]
+    config = feed_config(settings_from_args(build_parser().parse_args([*base, *flags])))
+    assert (config.kv_events, config.max_blocks, config.wedge_ms) == (False, 1000, 0.0)
+    assert (config.prefill_rate, config.poll_interval) == (500.0, 2.5)
+    for bad in (["--kv-events", "on"], ["--kv-index-max-blocks", "0"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*base, *bad])
+    problem = invalid_setting(
+        settings_from_args(build_parser().parse_args([*base, "--engine-wedge-ms", "-1"]))
+    )
+    assert problem == "--engine-wedge-ms must be 0 or more"
 
 
 def test_agent_client_flags_reach_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from harmony_gateway.errors import (
 from harmony_gateway.pipeline.context import RequestContext
 from harmony_gateway.surfaces.table import SURFACES, route_map
 from harmony_gateway.wire import ANTHROPIC, OPENAI, RESPONSES, error_headers
+from tests.support.published_schemas import assert_valid_event
 
 INTERNAL = {"message": "internal error", "type": "server_error", "param": None, "code": "internal_error"}
 
@@ -92,35 +93,29 @@ def test_responses_answers_before_the_first_byte_as_openai_does() -> None:
 
 
 def test_responses_ends_a_stream_with_an_error_event_numbered_next() -> None:
+    """Both published shapes at once: OpenAI's fields on the event, Open Responses' nested `error`."""
     frame = RESPONSES.stream_error(Overloaded("the gateway shut down", code="shutting_down"), 42)
+    error = {"code": "shutting_down", "message": "the gateway shut down", "param": None}
     assert _events(frame) == [
         (
             "error",
-            {
-                "type": "error",
-                "code": "shutting_down",
-                "message": "the gateway shut down",
-                "param": None,
-                "sequence_number": 42,
-            },
+            {"type": "error", **error, "error": {"type": "server_error", **error}, "sequence_number": 42},
         )
     ]
     bug = _events(RESPONSES.stream_error(RuntimeError("bug"), 3))
+    error = {"code": "internal_error", "message": "internal error while streaming", "param": None}
     assert bug == [
         (
             "error",
-            {
-                "type": "error",
-                "code": "internal_error",
-                "message": "internal error while streaming",
-                "param": None,
-                "sequence_number": 3,
-            },
+            {"type": "error", **error, "error": {"type": "server_error", **error}, "sequence_number": 3},
         )
     ]
+    invalid = _events(RESPONSES.stream_error(InvalidRequest("bad", param="input"), 0))
+    assert invalid[0][1]["error"]["type"] == "invalid_request_error"
+    for _, event in [*_events(frame), *bug, *invalid]:
+        assert_valid_event(event)
 
 
-# -- Anthropic Messages -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("exc", "status", "error_type"),
     [

@@ -4,8 +4,9 @@ Start-up order: load the Harmony encoding (fail fast, naming TIKTOKEN_ENCODINGS_
 register and probe workers (the command line's, then DNS's first answer), then run the health checker
 in the lifespan task group until shutdown. The app's loops (health, worker watch, DNS discovery,
 storage purge, stream tuning, shared admission) run in that task group; every task that outlives the
-code that started it (background responses, token charges, tokenizer loads) is spawned on the app's
-`TaskSupervisor`, which the lifespan closes last, so nothing the app started runs on after it.
+code that started it (background responses, token charges, tokenizer loads, each worker's KV-event
+feed) is spawned on the app's `TaskSupervisor`, which the lifespan closes last, so nothing the app
+started runs on after it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .pipeline.context import GatewayState
 from .routing.dns_discovery import DnsDiscovery, DnsMetrics, parse_dns_target
 from .routing.fleet import Fleet
 from .routing.health import HealthChecker, HealthConfig
+from .routing.kv_subscriptions import FeedConfig, KvEventMetrics, KvSubscriptions
 from .routing.registry import create_policy
 from .routing.shared_registry import SharedWorkers
 from .routing.workers import WorkerKind
@@ -129,6 +131,11 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         store = tracing.TracedStore(store)
     tasks = tasks or TaskSupervisor()
     metrics = GatewayMetrics(fleet.all_workers)
+    # Each process follows every worker itself (`serve --workers N` included): feeds start as workers
+    # join the fleet, end as they leave, and run on `tasks`.
+    kv_subscriptions = KvSubscriptions(tasks, feed_config(settings), KvEventMetrics(metrics.registry))
+    kv_subscriptions.attach(fleet)
+    metrics.before_render.append(kv_subscriptions.refresh_metrics)
     return GatewayState(
         settings=settings,
         fleet=fleet,
@@ -141,6 +148,19 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         background=BackgroundRunner(default_runner_id(settings.port), tasks),
         tasks=tasks,
         discovery=_dns_discovery(settings, fleet, metrics),
+        kv_subscriptions=kv_subscriptions,
+    )
+
+
+def feed_config(settings: Settings) -> FeedConfig:
+    """How the settings have the engines' KV events and loads followed (`--kv-events` and its kin)."""
+    return FeedConfig(
+        kv_events=settings.kv_events != "off",
+        max_blocks=settings.kv_index_max_blocks,
+        wedge_ms=settings.engine_wedge_ms,
+        prefill_rate=settings.engine_prefill_rate,
+        poll_interval=settings.load_poll_interval,
+        poll_timeout=settings.health_timeout,
     )
 
 

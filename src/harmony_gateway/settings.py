@@ -80,6 +80,16 @@ class Settings:
     kv_pressure_threshold: float = 0.9
     #: ... and the softmax temperature over normalised costs (0: the least cost always wins).
     kv_temperature: float = 0.0
+    #: The engines' KV events and load records (routing/kv_subscriptions.py): followed where an engine
+    #: publishes them (`auto`) or not (`off`: loads are polled only); the blocks each worker's prefix
+    #: index holds at most; the output silence, with requests in flight, past which a worker takes no
+    #: traffic (0: never vetoed), lengthened by its pending prefill at `engine_prefill_rate` prompt
+    #: tokens a second; and the load poll of workers that push no records (0: never polled).
+    kv_events: str = "auto"
+    kv_index_max_blocks: int = 262_144
+    engine_wedge_ms: float = 20_000.0
+    engine_prefill_rate: float = 2_000.0
+    load_poll_interval: float = 1.0
     bootstrap_port: int = 8998
     #: Gateway processes sharing the port (`serve --workers N`). Above 1 they share the workers
     #: registered through the API and their health through storage (routing/shared_registry.py).

@@ -78,13 +78,23 @@ OPENAI = Wire("openai", _openai_response, _openai_stream_error)
 
 
 # -- Responses -----------------------------------------------------------------------------------------------
-def responses_error_event(sequence_number: int, code: str, message: str, param: str | None = None) -> bytes:
-    """A Responses stream's `error` event: the end of a stream that cannot reach its own terminal event."""
+def responses_error_event(
+    sequence_number: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    *,
+    error_type: str = "server_error",
+) -> bytes:
+    """A Responses stream's `error` event: the end of a stream that cannot reach its own terminal event.
+    OpenAI's schema puts `code`, `message` and `param` on the event, Open Responses' nests them (with the
+    error's `type`) in `error`: the event carries both, so a client of either finds them."""
     event = {
         "type": "error",
         "code": code,
         "message": message,
         "param": param,
+        "error": {"type": error_type, "code": code, "message": message, "param": param},
         "sequence_number": sequence_number,
     }
     return event_frame("error", event)
@@ -92,7 +102,13 @@ def responses_error_event(sequence_number: int, code: str, message: str, param: 
 
 def _responses_stream_error(exc: BaseException, next_sequence: int) -> bytes:
     error = _openai_error(exc)
-    return responses_error_event(next_sequence, str(error["code"]), str(error["message"]), error["param"])
+    return responses_error_event(
+        next_sequence,
+        str(error["code"]),
+        str(error["message"]),
+        error["param"],
+        error_type=str(error["type"]),
+    )
 
 
 RESPONSES = Wire("responses", _openai_response, _responses_stream_error)

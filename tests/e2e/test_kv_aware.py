@@ -75,8 +75,12 @@ async def test_kv_aware_serves_and_keeps_prefixes_on_their_workers_without_event
 
 
 async def test_kv_aware_follows_the_engine_index_and_leaves_it_under_load() -> None:
+    """Indexes and loads set by hand (the engines' own events are off here; tests/e2e/test_kv_fleet.py
+    drives the same decisions through real event streams)."""
     async with sims(SimConfig(), SimConfig()) as engines:
-        settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="kv_aware", **FAST)
+        settings = gateway_settings(
+            worker_urls=tuple(e.url for e in engines), policy="kv_aware", kv_events="off", **FAST
+        )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
             prompt = f"{DOCUMENTS[0]}\n\nSummarise it."
             first = next_request_id("kv")
@@ -107,7 +111,9 @@ async def test_kv_aware_follows_the_engine_index_and_leaves_it_under_load() -> N
 
 async def test_the_inspector_shows_nothing_only_an_engine_caches() -> None:
     async with sims(SimConfig(), SimConfig()) as engines:
-        settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="kv_aware", **FAST)
+        settings = gateway_settings(
+            worker_urls=tuple(e.url for e in engines), policy="kv_aware", kv_events="off", **FAST
+        )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
             assert (await chat(http, f"{DOCUMENTS[1]}\n\nSummarise it.")).status_code == 200
             prompt = f"{DOCUMENTS[2]}\n\nSummarise it."

@@ -21,7 +21,13 @@ from tests.mcp.servers import (
     stdio_command,
 )
 from tests.support.responses_stream import validate_event_stream
-from tests.support.servers import RunningGateway, running_gateway, test_settings, wait_until
+from tests.support.servers import (
+    RunningGateway,
+    client_request_id,
+    running_gateway,
+    test_settings,
+    wait_until,
+)
 
 WEATHER_TOOL = {
     "type": "function",
@@ -112,7 +118,7 @@ async def collect(client: openai.AsyncOpenAI, **kwargs: Any) -> tuple[list[Any],
         async for event in stream:
             events.append(event)
         final = await stream.get_final_response()
-    validate_event_stream([e.model_dump(warnings=False) for e in events])
+    validate_event_stream([e.model_dump(exclude_unset=True, warnings=False) for e in events])
     return events, final
 
 
@@ -151,6 +157,10 @@ async def test_single_call_to_final_answer(mc, sim, docs, docs_calls) -> None:
     assert "Docs result for harmony" in r.output_text
     engine = sim.requests[before:]
     assert len(engine) == 2
+    # Each generation is its own engine request: engines key a request's state, clean-up and Abort by
+    # its id, and clean up after the call ended, so a reused id could be cut by its predecessor's.
+    first_id, second_id = (e.request_id for e in engine)
+    assert first_id != second_id and client_request_id(first_id) == client_request_id(second_id)
     first, second = prompt_of(engine[0]), prompt_of(engine[1])
     assert "namespace docs {" in first and "type search_docs" in first
     assert "to=docs.search_docs" in second
@@ -253,12 +263,12 @@ async def test_max_tool_calls_ignored_ends_incomplete(mcp_gateway, mc, docs) -> 
         "max_tool_calls": 1,
     }
     r = await mc.responses.create(**body)
-    assert r.status == "incomplete" and r.incomplete_details.reason == "max_tool_calls"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert [i.type for i in r.output].count("mcp_call") == 1
     events = await raw_stream(mcp_gateway, body)
     assert events[-1]["type"] == "response.incomplete"
     final = events[-1]["response"]
-    assert final["incomplete_details"] == {"reason": "max_tool_calls"}
+    assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert [i["type"] for i in final["output"]] == [i.type for i in r.output]
 
 

@@ -47,7 +47,7 @@ async def test_stream_events_parse_and_final_response_matches(client: openai.Asy
         async for event in stream:
             events.append(event)
         final = await stream.get_final_response()
-    validate_event_stream([e.model_dump(warnings=False) for e in events])
+    validate_event_stream([e.model_dump(exclude_unset=True, warnings=False) for e in events])
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     streamed_ids = [e.item.id for e in events if e.type == "response.output_item.added"]
     assert [item.id for item in final.output] == streamed_ids

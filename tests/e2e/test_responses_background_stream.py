@@ -29,7 +29,7 @@ def _client(gw: RunningGateway) -> openai.AsyncOpenAI:
 
 
 def _dump(events: list[Any]) -> list[dict[str, Any]]:
-    return [e.model_dump(warnings=False) for e in events]
+    return [e.model_dump(exclude_unset=True, warnings=False) for e in events]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ async def test_resume_after_disconnect_continues_live(slow_gateway: RunningGatew
             )
             head = []
             async for event in stream:
-                head.append(event.model_dump(warnings=False))
+                head.append(event.model_dump(exclude_unset=True, warnings=False))
                 if event.type == "response.reasoning_text.delta" and len(head) > 20:
                     break
             await stream.close()  # the client leaves; the response keeps running
@@ -128,7 +128,7 @@ async def test_another_replica_replays_then_polls(slow_gateway: RunningGateway, 
             )
             head = []
             async for event in stream:
-                head.append(event.model_dump(warnings=False))
+                head.append(event.model_dump(exclude_unset=True, warnings=False))
                 if len(head) == 12:
                     break
             await stream.close()
@@ -148,7 +148,7 @@ async def test_cancel_ends_the_live_stream(slow_gateway: RunningGateway, slow_si
         events: list[dict[str, Any]] = []
         cancelled = None
         async for event in stream:
-            events.append(event.model_dump(warnings=False))
+            events.append(event.model_dump(exclude_unset=True, warnings=False))
             if len(events) == 10:
                 cancelled = await c.responses.cancel(events[0]["response"]["id"])
         validate_event_stream(events)
@@ -301,7 +301,7 @@ async def test_a_client_leaving_never_cuts_a_background_stream(
             stream = await c.responses.create(model=MODEL, input=prompt, background=True, stream=True)
             head = []
             async for event in stream:
-                head.append(event.model_dump(warnings=False))
+                head.append(event.model_dump(exclude_unset=True, warnings=False))
                 if event.type == "response.reasoning_text.delta":
                     break
             armed.set()

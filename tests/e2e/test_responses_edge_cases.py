@@ -77,7 +77,7 @@ async def test_budget_in_a_stream(client: openai.AsyncOpenAI) -> None:
     events = []
     async with client.responses.stream(model=MODEL, input=LONG, reasoning={"max_tokens": 40}) as stream:
         async for event in stream:
-            events.append(event.model_dump(warnings=False))
+            events.append(event.model_dump(exclude_unset=True, warnings=False))
         final = await stream.get_final_response()
     validate_event_stream(events)
     assert final.output_text == ANSWER

@@ -17,7 +17,7 @@ LOGPROBS = ["message.output_text.logprobs"]
 
 
 def _dump(events: list[Any]) -> list[dict[str, Any]]:
-    return [e.model_dump(warnings=False) for e in events]
+    return [e.model_dump(exclude_unset=True, warnings=False) for e in events]
 
 
 def _entries(response: Any) -> list[list[dict[str, Any]]]:

@@ -3,7 +3,6 @@ its spill rules, and its fallbacks, on real `Worker` objects with a small in-tes
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 
@@ -147,7 +146,7 @@ def test_stale_loads_are_ignored() -> None:
     score = {s.worker.id: s for s in policy.scores([a, b], req(prompt))}["b"]
     assert (score.load_from, score.queued_tokens, score.kv_usage) == ("in_flight", 0, None)
     # The record's own age counts too: a sample the servicer read a minute ago is a minute old.
-    pushed(b, dataclasses.replace(heavy, age_ms=60_000))
+    pushed(b, heavy._replace(age_ms=60_000))
     assert policy.select([a, b], req(prompt)) is b
     # A stale record leaves the gateway's own count: many requests in flight there spill.
     b.in_flight = 8

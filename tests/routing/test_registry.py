@@ -46,6 +46,8 @@ def test_exported_members() -> None:
         "fleet",
         "health",
         "kv_aware",
+        "kv_index",
+        "kv_subscriptions",
         "policy",
         "power_of_two",
         "random_policy",

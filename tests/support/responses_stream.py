@@ -1,8 +1,11 @@
-"""The Responses stream invariant (REFERENCE §4.6): pairing, stack nesting, sequence numbers, indices."""
+"""The Responses stream invariant (REFERENCE §4.6): pairing, stack nesting, sequence numbers, indices,
+and every event valid against the published schemas (`published_schemas`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from tests.support.published_schemas import assert_valid_events
 
 PAIRS = {
     "response.output_item.added": "response.output_item.done",
@@ -27,7 +30,10 @@ TERMINAL = {"response.completed", "response.incomplete", "response.failed", "err
 
 
 def validate_event_stream(events: list[dict[str, Any]]) -> None:
+    """Events as sent (decoded JSON, or an SDK event's `model_dump(exclude_unset=True)`): the SDK fills
+    the fields a wire event left out with None, which the schemas rightly refuse."""
     assert events, "empty stream"
+    assert_valid_events(events)
     assert events[0]["type"] == "response.created"
     assert events[1]["type"] == "response.in_progress"
     assert events[-1]["type"] in TERMINAL

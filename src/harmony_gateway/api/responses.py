@@ -13,6 +13,7 @@ from ..pipeline.context import GatewayState
 from ..storage.base import Order, Page, StoredConversation
 from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
+from ..surfaces.responses.objects import complete_response
 from ..surfaces.responses.service import cancel_response
 from ..surfaces.responses.types import (
     ConversationCreate,
@@ -110,7 +111,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     after = _starting_after(request) if stream else -1
     record = _found(await state.store.get_response(response_id, owner), "Response", response_id)
     if not stream:
-        return json_response(record.response)
+        return json_response(complete_response(record.response))
     if not record.background:
         # Only background responses keep an event log (OpenAI answers 400 here too).
         raise InvalidRequest(
@@ -160,7 +161,7 @@ def _conversation_body(conv: StoredConversation) -> dict[str, Any]:
 async def create_conversation(request: Request) -> Response:
     state, owner = _caller(request)
     req = ConversationCreate.model_validate(await json_body(request))
-    items = normalize_items(req.items or [], param="items")
+    items = normalize_items(req.items or [], param="items", references=False)
     conv = StoredConversation(
         id=new_id("conv"), owner=owner, created_at=int(time.time()), metadata=req.metadata or {}
     )
@@ -210,7 +211,7 @@ async def list_items(conversation_id: str, request: Request) -> Response:
 async def add_items(conversation_id: str, request: Request) -> Response:
     state, owner = _caller(request)
     req = ConversationItemsCreate.model_validate(await json_body(request))
-    items = normalize_items(req.items, param="items")
+    items = normalize_items(req.items, param="items", references=False)
     added = await state.store.add_conversation_items(
         conversation_id, owner, items, limits=state.settings.conversation_limits
     )

@@ -23,6 +23,7 @@ from ..pipeline.output_parsers.registry import validate_parser_names
 from ..routing.cache_aware import CacheAwarePolicy
 from ..routing.dns_discovery import parse_dns_target, parse_nameserver
 from ..routing.kv_aware import KvAwarePolicy
+from ..routing.kv_index import DEFAULT_MAX_BLOCKS
 from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
 from ..traffic.keys import KeyPolicy, read_key_file
@@ -323,6 +324,43 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="kv_aware: draw workers with softmax over normalised costs at this temperature (0: the "
         "least cost always wins)",
+    )
+    g.add_argument(
+        "--kv-events",
+        default="auto",
+        choices=["auto", "off"],
+        help="follow the KV-cache events and load records of the engines that publish them "
+        "(SubscribeKvEvents: a prefix index per worker, pushed loads), or poll loads only (off)",
+    )
+    g.add_argument(
+        "--kv-index-max-blocks",
+        type=positive_int,
+        default=DEFAULT_MAX_BLOCKS,
+        metavar="N",
+        help="blocks one worker's KV index holds at most; past it the least recently used go first",
+    )
+    g.add_argument(
+        "--engine-wedge-ms",
+        type=float,
+        default=20_000.0,
+        metavar="MS",
+        help="an engine that reports no output for this long while the gateway has requests on it takes "
+        "no traffic until it speaks again (0: never)",
+    )
+    g.add_argument(
+        "--engine-prefill-rate",
+        type=float,
+        default=2_000.0,
+        metavar="TOKENS/S",
+        help="prompt tokens a second a healthy engine prefills at least: its pending prefill lengthens "
+        "the wedge bound by that much",
+    )
+    g.add_argument(
+        "--load-poll-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="poll an engine's load (GetLoads) every S seconds while it pushes no load records (0: never)",
     )
     g.add_argument(
         "--max-retries",
@@ -712,6 +750,13 @@ def invalid_setting(settings: Settings) -> str | None:
         validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
     except InvalidRequest as exc:
         return exc.message
+    for flag, number in (
+        ("--engine-wedge-ms", settings.engine_wedge_ms),
+        ("--engine-prefill-rate", settings.engine_prefill_rate),
+        ("--load-poll-interval", settings.load_poll_interval),
+    ):
+        if number < 0:
+            return f"{flag} must be 0 or more"
     if settings.text_parser_window_chars < 0:
         return "--text-parser-window-chars must be 0 or more"
     if settings.text_parser_window_seconds is not None and settings.text_parser_window_seconds <= 0:

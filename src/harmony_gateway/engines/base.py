@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -259,10 +259,11 @@ class EngineClient(Protocol):
 
     async def health(self, timeout: float) -> bool: ...
 
-    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncGenerator[KvBatch, None]:
         """Only when `capabilities.kv_events`: the engine's KV-event batches from `start_sequence` (0 = the
         current state on). Raises `KvStreamLost` when the relay cannot resume from there (the caller
-        clears what it knew and starts over from 0) and `UpstreamError` when the stream breaks."""
+        clears what it knew and starts over from 0), `KvEventsUnavailable` when the engine runs without
+        a publisher, and `UpstreamError` when the stream breaks. Closing the generator ends the call."""
         ...
 
     async def loads(self, timeout: float) -> EngineLoad:

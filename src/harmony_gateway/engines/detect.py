@@ -9,7 +9,7 @@ succeeds the worker takes no traffic and later probes try again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -113,7 +113,7 @@ class DetectingGrpcClient:
             )
         return await inner.get_tokenizer(timeout=timeout)
 
-    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncGenerator[KvBatch, None]:
         # Subscriptions open after the first probe, which detects the protocol.
         if self._inner is None or not self._inner.capabilities.kv_events:
             raise UpstreamError(f"the engine at {redact_url(self.url)} publishes no KV events")

@@ -1,7 +1,8 @@
 """Plumbing the gRPC engine clients share.
 
 `GrpcEngineClient` owns one channel per worker (`CHANNEL_OPTIONS`, `grpc_target`), answers `health`,
-`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, starts and
+`model_info` and `close` for the wires whose messages for those RPCs are spelled alike, and
+`subscribe_kv_events` and `loads` on the wires whose capabilities declare them (`kv_wire.py`), starts and
 cancels `Generate` (`_generate_call`), and normalises the stream of the scheduler-style wires (SGLang,
 TokenSpeed, vLLM, MLX) into `EngineChunk`s, so `pipeline/` sees one shape. `sampling_fields` copies the
 sampling fields the wires share, `token_logprobs` converts an `OutputLogProbs` message. What a wire
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any, ClassVar
 
@@ -32,6 +33,7 @@ from .base import (
 )
 from .grpc_errors import map_grpc_errors
 from .kv_events import EngineLoad, KvBatch
+from .kv_wire import LOAD_SECTIONS, kv_event_stream, loads_answer
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -248,13 +250,22 @@ class GrpcEngineClient:
         """Overridden by engines whose `capabilities.server_info` is set."""
         raise UpstreamError(f"the {self.engine} engine at {self.url} has no server info")
 
-    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
-        """Overridden by engines whose `capabilities.kv_events` is set."""
-        raise UpstreamError(f"the {self.engine} engine at {self.url} publishes no KV events")
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncGenerator[KvBatch, None]:
+        """`SubscribeKvEvents` (the same `common.proto` messages on every wire that has it), on engines
+        whose `capabilities.kv_events` is set; see `kv_wire.kv_event_stream`."""
+        if not self.capabilities.kv_events:
+            raise UpstreamError(f"the {self.engine} engine at {self.url} publishes no KV events")
+        return kv_event_stream(self._stub.SubscribeKvEvents, self.url, start_sequence, call_metadata())
 
     async def loads(self, timeout: float) -> EngineLoad:
-        """Overridden by engines whose `capabilities.loads` is set."""
-        raise UpstreamError(f"the {self.engine} engine at {self.url} reports no load")
+        """`GetLoads` (core figures, ranks combined), on engines whose `capabilities.loads` is set."""
+        if not self.capabilities.loads:
+            raise UpstreamError(f"the {self.engine} engine at {self.url} reports no load")
+        with map_grpc_errors(self.url):
+            answer = await self._stub.GetLoads(
+                self._pb.GetLoadsRequest(include=LOAD_SECTIONS), timeout=timeout
+            )
+        return loads_answer(answer)
 
     async def model_info(self, timeout: float = 10.0) -> ModelInfo:
         with map_grpc_errors(self.url):

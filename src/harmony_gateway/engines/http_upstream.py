@@ -194,7 +194,7 @@ class HttpUpstreamClient:
         """Not declared (`capabilities.tokenizer` is False): the upstream tokenizes itself."""
         raise UpstreamError(f"the HTTP upstream at {self.url} cannot send its tokenizer")
 
-    def subscribe_kv_events(self, start_sequence: int) -> AsyncIterator[KvBatch]:
+    def subscribe_kv_events(self, start_sequence: int) -> AsyncGenerator[KvBatch, None]:
         """Not declared (`capabilities.kv_events` is False): an OpenAI server publishes no KV events."""
         raise UpstreamError(f"the HTTP upstream at {self.url} publishes no KV events")
 

@@ -50,7 +50,9 @@ class SglangGrpcClient(GrpcEngineClient):
     """
 
     engine = "sglang"
-    capabilities = EngineCapabilities(stream_interval=True, server_info=True, tokenizer=True)
+    capabilities = EngineCapabilities(
+        stream_interval=True, server_info=True, tokenizer=True, kv_events=True, loads=True
+    )
     _pb = pb
     # Declared as the base does, so that TokenSpeed's stub may replace it.
     _stub_type: Callable[[grpc.aio.Channel], Any] = pb_grpc.SglangSchedulerStub

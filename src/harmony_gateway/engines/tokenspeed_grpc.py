@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import tokenspeed_scheduler_pb2_grpc as pb_grpc
 from .base import EngineCapabilities, ModelInfo
 from .sglang_grpc import SglangGrpcClient
 
-CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True)
+CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, kv_events=True, loads=True)
 
 
 class TokenSpeedGrpcClient(SglangGrpcClient):

@@ -29,7 +29,8 @@ from .base import EngineCapabilities, EngineChunk, GenerateRequest, ModelInfo, T
 from .grpc_common import SHARED_SAMPLING, GrpcEngineClient, oneof_matched_stop, sampling_fields
 from .grpc_errors import map_grpc_errors
 
-CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False)
+#: TRT-LLM streams KV events but answers no GetLoads.
+CAPABILITIES = EngineCapabilities(server_info=True, tokenizer=True, implicit_stops=False, kv_events=True)
 
 
 def trtllm_logprobs(entries: Sequence[Any]) -> list[TokenLogprob] | None:

@@ -73,7 +73,7 @@ class VllmGrpcClient(GrpcEngineClient):
 
     engine = "vllm"
     #: vLLM's proto has no per-request stream interval.
-    capabilities = EngineCapabilities(server_info=True, tokenizer=True)
+    capabilities = EngineCapabilities(server_info=True, tokenizer=True, kv_events=True, loads=True)
     _pb = pb
     _stub_type = pb_grpc.VllmEngineStub
     _delta_counts = True

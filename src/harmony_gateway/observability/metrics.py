@@ -241,6 +241,9 @@ class GatewayMetrics(MetricSet):
         super().__init__(CollectorRegistry())
         r = self.registry
         self._series: dict[tuple[str, str, int], _RequestSeries] = {}
+        #: Called before each scrape is rendered: what keeps gauges of its own refreshed (the KV-event
+        #: feeds' per-worker gauges) brings them up to date.
+        self.before_render: list[Callable[[], None]] = []
         self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
         self._fleet_gauges: _FleetGauges | None = None
@@ -333,6 +336,8 @@ class GatewayMetrics(MetricSet):
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
+        for refresh in self.before_render:
+            refresh()
         self.refresh_fleet()
         return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
 

@@ -44,6 +44,7 @@ def child_context(ctx: RequestContext, index: int, count: int) -> RequestContext
         ctx,
         request_id=request_id,
         engine_id=engine_id,
+        engine_calls=0,
         log_extra={},
         cleanups=[],
         worker=None,

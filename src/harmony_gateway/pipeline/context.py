@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..routing.dns_discovery import DnsDiscovery
     from ..routing.fleet import Fleet, ModelGroup
     from ..routing.health import HealthConfig
+    from ..routing.kv_subscriptions import KvSubscriptions
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
@@ -116,6 +117,9 @@ class GatewayState:
     stream_tuner: StreamIntervalTuner = field(default_factory=StreamIntervalTuner)
     #: Keeps the fleet in step with `--worker-dns` (routing/dns_discovery.py); None without it.
     discovery: DnsDiscovery | None = None
+    #: Follows the engines' KV events and loads into each worker's index and load record
+    #: (routing/kv_subscriptions.py); its feeds run on `tasks`.
+    kv_subscriptions: KvSubscriptions | None = None
 
 
 log = logging.getLogger(__name__)
@@ -146,9 +150,12 @@ class RequestContext:
     request_id: str
     route: str
     principal: Principal = ANONYMOUS
-    #: The id of this request at the engines (generate, abort): `engine_request_id(request_id)`, made
-    #: by the gateway, so one client can never name, and abort, another client's engine request.
+    #: The id of this request's engine call under way (or last made) at the engines (generate, abort):
+    #: `engine_request_id(request_id)`, made by the gateway, so one client can never name, and abort,
+    #: another client's engine request. Each later call gets a new one (`next_engine_id`).
     engine_id: str = ""
+    #: Engine calls made under this context so far (`next_engine_id`).
+    engine_calls: int = 0
     routing_key: str | None = None
     #: The request's `prompt_cache_key`: the routing key of `cache_aware` and `consistent_hash` when given.
     prompt_cache_key: str | None = None
@@ -188,6 +195,19 @@ class RequestContext:
     def __post_init__(self) -> None:
         if not self.engine_id:
             self.engine_id = engine_request_id(self.request_id)
+
+    def next_engine_id(self) -> str:
+        """The request id of the engine call about to be made: `engine_id` for the first call, a new one
+        for each later call (a retry, the next turn of a tool loop), kept in `engine_id`.
+
+        An engine keys a request's state, its clean-up and Abort by this id, and cleans up after the
+        call has ended (the MLX servicer on its generation thread a step later, SGLang's servicer when
+        the call's handler exits), so a call reusing the id of the one before can be cut, or uncounted,
+        by that clean-up: one id names one engine call."""
+        if self.engine_calls:
+            self.engine_id = engine_request_id(self.request_id)
+        self.engine_calls += 1
+        return self.engine_id
 
     def error_frame(self, exc: BaseException) -> bytes:
         """The terminal frame of this request's stream for a failure after its first byte, in its wire's

@@ -5,6 +5,9 @@
   replayed.
 - Any exit other than normal completion (client disconnect, consumer error, timeout) sends `Abort`,
   shielded and bounded, so the engine frees the request's KV cache; then the original error propagates.
+- Each engine call (an attempt, a later generation of the same request) goes out under its own engine
+  request id (`RequestContext.next_engine_id`), and its Abort names that id: the engine sees one live
+  request per call, never one left over from the call before.
 - PD: the same request goes to a prefill and a decode worker with one bootstrap room; tokens come from
   decode; a failure of either side cancels the other.
 """
@@ -153,6 +156,7 @@ async def dispatch(
         else:
             worker, prefill = select_worker(prepared, ctx, exclude=tried)
         ctx.worker, ctx.prefill_worker = worker, prefill
+        engine_id = ctx.next_engine_id()
         bootstrap = bootstrap_for(prefill, settings.bootstrap_port) if prefill is not None else None
         request = build_generate_request(
             prepared,
@@ -233,4 +237,4 @@ async def dispatch(
                         )
             if not finished:
                 for w in workers:
-                    await _abort(w, ctx.engine_id, timeouts.abort)
+                    await _abort(w, engine_id, timeouts.abort)

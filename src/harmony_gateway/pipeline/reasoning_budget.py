@@ -208,7 +208,10 @@ async def _continue(
         prepared, input_ids=input_ids, sampling=sampling, n=1, max_reasoning_tokens=None
     )
     child = dataclasses.replace(
-        ctx, request_id=f"{ctx.request_id}-answer{index}", engine_id=f"{ctx.engine_id}-answer{index}"
+        ctx,
+        request_id=f"{ctx.request_id}-answer{index}",
+        engine_id=f"{ctx.engine_id}-answer{index}",
+        engine_calls=0,
     )
     # The worker that generated the analysis holds the prompt and the kept tokens in its prefix cache.
     pinned = None if prepared.group.disaggregated else ctx.worker

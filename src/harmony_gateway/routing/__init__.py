@@ -4,7 +4,8 @@
 runs in the app's lifespan task group; the pipeline reports request outcomes with `record_success` /
 `record_failure`. Under `serve --workers N`, `SharedWorkers` shares registered workers and their health
 between the processes through storage. `DnsDiscovery` adds and drains workers as a DNS name's addresses
-come and go (`--worker-dns`).
+come and go (`--worker-dns`). `KvSubscriptions` follows each worker's engine: its KV events into a
+`KvIndex`, its pushed loads and silence onto the worker.
 """
 
 from .cache_aware import CacheAwarePolicy
@@ -12,6 +13,8 @@ from .consistent_hash import ConsistentHashPolicy
 from .dns_discovery import DnsDiscovery, DnsTarget, parse_dns_target
 from .health import BreakerConfig, HealthChecker, HealthConfig, record_failure, record_probe, record_success
 from .kv_aware import KvAwarePolicy
+from .kv_index import KvIndex
+from .kv_subscriptions import FeedConfig, KvSubscriptions
 from .policy import RoutingPolicy, RoutingRequest, available_workers
 from .power_of_two import PowerOfTwoPolicy
 from .random_policy import RandomPolicy
@@ -28,9 +31,12 @@ __all__ = [
     "ConsistentHashPolicy",
     "DnsDiscovery",
     "DnsTarget",
+    "FeedConfig",
     "HealthChecker",
     "HealthConfig",
     "KvAwarePolicy",
+    "KvIndex",
+    "KvSubscriptions",
     "PowerOfTwoPolicy",
     "RandomPolicy",
     "RoundRobinPolicy",

@@ -93,6 +93,9 @@ class Fleet:
         self._breaker_cooldown = breaker_cooldown
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
+        #: Called once a worker joins its model group (its first successful probe learnt its model and,
+        #: under `--engine auto`, its engine), and when it leaves (`remove`).
+        self.on_worker_joined: list[Callable[[Worker], None]] = []
         self.on_worker_removed: list[Callable[[Worker], None]] = []
         #: Ids for new workers; None keeps the default `w1, w2, ...`. Processes sharing a worker
         #: registry need ids that are unique across them (routing/shared_registry.py).
@@ -185,6 +188,8 @@ class Fleet:
             log.info("serving model %s (harmony=%s)", group.name, harmony)
         if worker not in group.workers:
             group.workers.append(worker)
+            for callback in self.on_worker_joined:
+                callback(worker)
 
     async def remove(self, worker_id: str) -> Worker:
         worker = self.workers.pop(worker_id, None)

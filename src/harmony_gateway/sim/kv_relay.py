@@ -282,6 +282,8 @@ class KvRelay:
         self._busy: Callable[[], bool] = lambda: False
         #: Batches published since the start (every incarnation).
         self.published = 0
+        #: The `start_sequence_number` of every subscription, in arrival order (tests read resumes).
+        self.requested_starts: list[int] = []
 
     def attach(self, cache: BlockCache, figures: Callable[[], LoadFigures], busy: Callable[[], bool]) -> None:
         """Where snapshots and load records come from."""
@@ -517,6 +519,7 @@ class KvRelay:
     ) -> AsyncIterator[bytes]:
         """One `SubscribeKvEvents` call: backlog (history or snapshot), then live batches and records."""
         subscriber = _Subscriber(request.load_records_before_first_batch)
+        self.requested_starts.append(request.start_sequence_number)
         refused = self._begin(subscriber, request.start_sequence_number)
         if refused is not None:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, refused)

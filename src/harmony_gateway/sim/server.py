@@ -339,8 +339,8 @@ class Run:
         scheduler.prefilled(ticket, aborted=self.aborted)
         if self.aborted:
             return
-        if core.gate is not None:
-            await core.gate.wait()
+        if core.gate is not None and core.gate_after <= 0:
+            await self.wait_open(core.gate)
         await self.wait(core.ttft)
 
     async def hold_while_wedged(self) -> None:
@@ -353,6 +353,20 @@ class Run:
                 await self._until(future)
             finally:
                 core.wedge_waiters.discard(future)
+
+    async def wait_open(self, gate: asyncio.Event) -> None:
+        """Wait until `gate` is set (`RunningSim.hold`) unless aborted: an Abort wakes it at once."""
+        if gate.is_set() or self.aborted:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        opened = asyncio.ensure_future(gate.wait())
+        opened.add_done_callback(lambda _: _resolve(waiter))
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            opened.cancel()
+            self._waiter = None
 
     def check_failure(self, sent_after_step: int) -> None:
         failure = self.failure
@@ -389,6 +403,11 @@ class Run:
         while not self.aborted:
             if core.wedged:
                 await self.hold_while_wedged()
+            # A mid-stream hold is read at every step, so a test can release one and arm the next at once.
+            gate = core.gate
+            if gate is not None and 0 < core.gate_after <= sent and not gate.is_set():
+                await self.wait_open(gate)
+                continue
             size = chunk
             for plan in plans:
                 if plan.done:
@@ -479,8 +498,10 @@ class SimCore:
         self._runs: dict[str, Run] = {}
         #: Most Generate calls in flight at once (admission tests assert a cap through it).
         self.peak_active = 0
-        #: While set and not open, Generate calls wait here before their first token (`RunningSim.hold`).
+        #: While set and not open, Generate calls wait here once they have streamed `gate_after` tokens
+        #: (0: before their first token; `RunningSim.hold`).
         self.gate: asyncio.Event | None = None
+        self.gate_after = 0
         self._failures: deque[_Failure] = deque()
         self.frames = FrameCache()
         #: While set, the engine emits nothing: requests hold their place and the silence grows.
@@ -700,10 +721,13 @@ class RunningSim:
         """Most Generate calls in flight at once since start."""
         return self._core.peak_active
 
-    def hold(self) -> None:
-        """Generate calls from now on wait before their first token until `release_held()`: a test
-        holds streams open as long as it needs, with no timing."""
+    def hold(self, after_tokens: int = 0) -> None:
+        """Generate calls from now on wait before their first token until `release_held()`: a test holds
+        streams open as long as it needs, with no timing. With `after_tokens`, every stream (those under
+        way too) waits instead once it has sent that many tokens: `release_held(); hold(after_tokens=M)`
+        lets a held stream go on to the next point M."""
         self._core.gate = asyncio.Event()
+        self._core.gate_after = after_tokens
 
     def release_held(self) -> None:
         if self._core.gate is not None:
@@ -800,6 +824,11 @@ class RunningSim:
     def kv_subscriptions(self) -> int:
         """Live `SubscribeKvEvents` streams."""
         return self._core.relay.subscriptions if self._core.relay else 0
+
+    @property
+    def kv_subscription_starts(self) -> list[int]:
+        """The `start_sequence_number` every `SubscribeKvEvents` call asked for, in order."""
+        return list(self._core.relay.requested_starts) if self._core.relay else []
 
     async def set_healthy(self, healthy: bool) -> None:
         """Flip HealthCheck and the grpc.health.v1 status (SERVING / NOT_SERVING)."""

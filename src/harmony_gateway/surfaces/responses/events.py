@@ -27,6 +27,7 @@ from typing import Any
 
 from ...pipeline.context import LiveEvents, RequestContext
 from ...wire import responses_error_event
+from .objects import complete_event
 from .output import frame
 
 log = logging.getLogger(__name__)
@@ -171,13 +172,18 @@ async def stream_stored_events(
             for event in events:
                 cursor = event["sequence_number"]
                 ctx.next_sequence = cursor + 1
-                yield frame(event)
+                yield frame(complete_event(event))  # a log written by an earlier version too
                 if event["type"] in TERMINAL_TYPES:
                     return
             if not events:
                 record = await store.get_response(response_id, owner)
                 if record is None:
-                    yield responses_error_event(cursor + 1, "not_found", "the response was deleted")
+                    yield responses_error_event(
+                        cursor + 1,
+                        "not_found",
+                        "the response was deleted",
+                        error_type="invalid_request_error",
+                    )
                     return
                 if record.status in FINISHED_STATUSES:
                     grace -= 1

@@ -21,13 +21,13 @@ from ...pipeline.drive import RequestFramer
 from ...pipeline.reasoning_budget import budget_exceeded
 from ...storage.base import StoredResponse
 from ...types.limits import CONVERSATION_TOO_LARGE
-from .output import ResponseBuilder, ToolSlot, usage_of
+from .objects import redacted_tools
+from .output import ResponseBuilder, ToolSlot
 from .plan import (
     DATE_KEY,
     ROOT_KEY,
     ResponsePlan,
     parse_into,
-    redacted_tools,
     token_texts,
 )
 
@@ -113,6 +113,7 @@ class ResponsesFramer(RequestFramer):
         builder = self._builder
         builder.take()
         message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
+        builder.usage = self._plan.usage()
         body = builder.finish("failed", error={"code": "server_error", "message": message})
         if self._plan.request.store:
             self._to_store, self._failed = body, True  # OpenAI keeps failed responses; GET returns it
@@ -142,7 +143,7 @@ def finish_response(
     state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
 ) -> dict[str, Any]:
     """The final Response (usage, status, terminal event) once every turn has ended."""
-    builder.usage = usage_of(plan.input_tokens, plan.output_tokens, plan.reasoning_tokens, plan.cached_tokens)
+    builder.usage = plan.usage()
     if plan.prepared.max_reasoning_tokens is not None:
         # As chat's completion_tokens_details.reasoning_budget_exceeded (pipeline/reasoning_budget.py).
         builder.usage["output_tokens_details"]["reasoning_budget_exceeded"] = budget_exceeded(ctx)
@@ -150,8 +151,6 @@ def finish_response(
         state.metrics.mcp_iterations.labels(plan.prepared.group.name).observe(plan.iterations)
     if plan.finish_reason == "length":
         return builder.finish("incomplete", incomplete_reason="max_output_tokens")
-    if plan.incomplete_reason is not None:
-        return builder.finish("incomplete", incomplete_reason=plan.incomplete_reason)
     return builder.finish("completed")
 
 
@@ -168,7 +167,7 @@ def record_of(plan: ResponsePlan, body: dict[str, Any], *, background: bool = Fa
         status=body["status"],
         model=body["model"],
         response=body,
-        input_items=plan.input_items,
+        input_items=plan.listed_inputs(),
         history=[m.to_dict() for m in (*plan.turn_messages, *plan.generated)],
         previous_response_id=plan.request.previous_response_id,
         conversation_id=plan.conversation_id,

@@ -44,11 +44,9 @@ def new_id(prefix: str) -> str:
 
 def _parts(content: Any, role: str, param: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
-        kind: Any = "output_text" if role == "assistant" else "input_text"
-        part: dict[str, Any] = {"type": kind, "text": content}
-        if kind == "output_text":
-            part["annotations"] = []
-        return [part]
+        if role == "assistant":
+            return [_output_part({"type": "output_text", "text": content})]
+        return [{"type": "input_text", "text": content}]
     if not isinstance(content, list):
         raise InvalidRequest("message content must be a string or a list of parts", param=param)
     out = []
@@ -68,12 +66,23 @@ def _parts(content: Any, role: str, param: str) -> list[dict[str, Any]]:
         text = part.get("text", part.get("refusal"))
         if not isinstance(text, str):
             raise InvalidRequest("text parts must carry a string 'text'", param=f"{param}[{j}].text")
-        out.append(part)
+        out.append(_output_part(part) if kind == "output_text" else part)
     return out
 
 
-def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") -> list[dict[str, Any]]:
-    """Input as item dicts with ids and list-of-parts content. Raises InvalidRequest naming the field."""
+def _output_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An `output_text` part as it is stored and listed: with the `annotations` and `logprobs` the
+    schema requires (a client sending an answer back often leaves them out)."""
+    if "annotations" in part and "logprobs" in part:
+        return part
+    return {"annotations": [], "logprobs": [], **part}
+
+
+def normalize_items(
+    raw: str | list[dict[str, Any]], *, param: str = "input", references: bool = True
+) -> list[dict[str, Any]]:
+    """Input as item dicts with ids and list-of-parts content. Raises InvalidRequest naming the field;
+    `item_reference`s only with `references` (a conversation stores items, never pointers to them)."""
     if isinstance(raw, str):
         return [
             {
@@ -121,6 +130,7 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 raise InvalidRequest(
                     "function_call_output 'output' must be a string or parts", param=f"{where}.output"
                 )
+            item.setdefault("status", "completed")
         elif kind in ("custom_tool_call", "local_shell_call"):
             if not isinstance(item.get("call_id"), str) or not item["call_id"]:
                 raise InvalidRequest(f"{kind} items need a string 'call_id'", param=f"{where}.call_id")
@@ -137,6 +147,8 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
             item["call_id"] = call_id
             if not isinstance(item.get("output"), (str, list)):
                 raise InvalidRequest(f"{kind} 'output' must be a string or parts", param=f"{where}.output")
+            if kind == "custom_tool_call_output":
+                item.setdefault("status", "completed")
         elif kind == "mcp_approval_request":
             # The call it asks about is replayed as a message and checked against its id: text only.
             for key in ("server_label", "name", "arguments"):
@@ -154,6 +166,11 @@ def normalize_items(raw: str | list[dict[str, Any]], *, param: str = "input") ->
                 raise InvalidRequest(
                     "mcp_approval_response items need a boolean 'approve'", param=f"{where}.approve"
                 )
+        elif kind == "item_reference" and not references:
+            raise InvalidRequest(
+                "conversation items are stored as sent: send the item itself, not an item_reference",
+                param=f"{where}.type",
+            )
         elif kind == "item_reference" and not isinstance(item.get("id"), str):
             raise InvalidRequest("item_reference items need an 'id'", param=f"{where}.id")
         _check_field_types(kind, item, where)

@@ -18,6 +18,7 @@ from ...pipeline.text_output import logprob_entry
 from ...sse import encoded_event_frame
 from .client_tools import LOCAL_SHELL, arguments_object, client_tool_kinds, local_shell_action
 from .mapper import new_id
+from .objects import IncompleteReason, response_snapshot
 
 _dumps = orjson.dumps
 
@@ -137,13 +138,24 @@ class ResponseBuilder:
         self.events = []
         return out
 
-    def snapshot(self, status: str, **extra: Any) -> dict[str, Any]:
-        body = dict(self.envelope)
-        body["status"] = status
-        body["output"] = list(self.output)
-        body["usage"] = self.usage
-        body.update(extra)
-        return body
+    def snapshot(
+        self,
+        status: str,
+        *,
+        error: dict[str, Any] | None = None,
+        incomplete_reason: IncompleteReason | None = None,
+        completed_at: int | None = None,
+    ) -> dict[str, Any]:
+        """The Response now (`objects.response_snapshot`), its output list a copy."""
+        return response_snapshot(
+            self.envelope,
+            status,
+            list(self.output),
+            self.usage,
+            error=error,
+            incomplete_reason=incomplete_reason,
+            completed_at=completed_at,
+        )
 
     def _item_event(self, event_type: str, item: dict[str, Any], index: int, **fields: Any) -> None:
         """Emit an event about output item `item` at `index`, with `fields` after its id and index."""
@@ -527,16 +539,16 @@ class ResponseBuilder:
 
     # -- terminal ---------------------------------------------------------------------------------
     def finish(
-        self, status: str, *, incomplete_reason: str | None = None, error: dict[str, Any] | None = None
+        self,
+        status: str,
+        *,
+        incomplete_reason: IncompleteReason | None = None,
+        error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.close_open("incomplete" if status != "completed" else "completed")
-        extra: dict[str, Any] = {
-            "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-            "error": error,
-        }
-        if status in ("completed", "incomplete", "failed", "cancelled"):
-            extra["completed_at"] = int(time.time()) if status == "completed" else None
-        body = self.snapshot(status, **extra)
+        body = self.snapshot(
+            status, error=error, incomplete_reason=incomplete_reason, completed_at=int(time.time())
+        )
         terminal = {
             "completed": "response.completed",
             "incomplete": "response.incomplete",
@@ -556,15 +568,3 @@ class ResponseBuilder:
         self.sequence -= 1
         self.final = None
         return True
-
-
-def usage_of(
-    input_tokens: int, output_tokens: int, reasoning_tokens: int, cached_tokens: int
-) -> dict[str, Any]:
-    return {
-        "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-        "total_tokens": input_tokens + output_tokens,
-    }

@@ -70,6 +70,7 @@ from ..chat.upstream import require_token_engine
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
 from .history_window import history_byte_budget, history_too_long, newest_that_fit, truncates
 from .mapper import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
+from .objects import response_envelope, usage_of
 from .output import ResponseBuilder
 from .types import ResponsesRequest
 
@@ -120,7 +121,6 @@ class ResponsePlan:
     uses_tools: bool = False
     #: Model turns that called tools past `max_tool_calls`; a second one ends the response incomplete.
     limit_turns: int = 0
-    incomplete_reason: str | None = None
     #: The Harmony output parser of every iteration, for the Harmony metrics.
     parsers: list[tp.HarmonyOutputParser] = field(default_factory=list)
     #: The first response of this response's `previous_response_id` chain (its own id if it starts one).
@@ -130,6 +130,17 @@ class ResponsePlan:
     seal_reasoning: Callable[[str], str] | None = None
     #: The generation under way (None between generations).
     turn: Turn | None = None
+    #: The items this input's `item_reference`s point at, by id.
+    references: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def listed_inputs(self) -> list[dict[str, Any]]:
+        """The input items as `input_items` lists them: a reference as the item it points at."""
+        if not self.references:
+            return self.input_items
+        return [
+            self.references.get(item["id"], item) if item.get("type") == "item_reference" else item
+            for item in self.input_items
+        ]
 
     def start_turn(self, encoding: Any) -> Turn:
         """A new generation of this response: its own Harmony parser, counted in `iterations`."""
@@ -163,6 +174,19 @@ class ResponsePlan:
         self.reasoning_tokens += parser.reasoning_tokens
         self.generated.extend(_generated_messages(parser))
         return turn
+
+    def usage(self) -> dict[str, Any]:
+        """The Response's `usage`: the tokens of the ended generations and of the one under way (a
+        response that fails or is cancelled mid-generation reports what it used)."""
+        input_tokens, output_tokens = self.input_tokens, self.output_tokens
+        reasoning_tokens, cached_tokens = self.reasoning_tokens, self.cached_tokens
+        turn = self.turn
+        if turn is not None:
+            input_tokens += turn.prompt_tokens
+            output_tokens += turn.completion_tokens
+            cached_tokens += turn.cached_tokens
+            reasoning_tokens += turn.parser.reasoning_tokens
+        return usage_of(input_tokens, output_tokens, reasoning_tokens, cached_tokens)
 
     def output_tokens_so_far(self) -> int:
         """Output tokens of the ended generations and of the one under way."""
@@ -258,17 +282,6 @@ def tool_description(tool: dict[str, Any], where: str) -> str:
     return description
 
 
-_SECRET_TOOL_KEYS = ("headers", "authorization")
-
-
-def redacted_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The request's tools without MCP headers and authorization: echoed and stored, never secrets."""
-    return [
-        {k: v for k, v in tool.items() if k not in _SECRET_TOOL_KEYS} if tool.get("type") == "mcp" else tool
-        for tool in tools or ()
-    ]
-
-
 def function_tool_choice(tool_choice: Any, has_gateway_tools: bool) -> Any:
     """The part of tool_choice that applies to function tools: a hosted-tool choice (`{"type": "mcp"}`,
     `{"type": "web_search_preview"}`) leaves functions on auto, as does `required` with gateway tools."""
@@ -296,39 +309,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 def wants_logprobs(req: ResponsesRequest) -> bool:
     return LOGPROBS_INCLUDE in (req.include or ())
-
-
-def _envelope(
-    req: ResponsesRequest, response_id: str, created_at: int, model: str, effort: str
-) -> dict[str, Any]:
-    conversation_id = req.conversation_id()
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "model": model,
-        "background": req.background,
-        "conversation": {"id": conversation_id} if conversation_id else None,
-        "error": None,
-        "incomplete_details": None,
-        "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": req.max_tool_calls,
-        "metadata": req.metadata or {},
-        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": effort, "summary": None},
-        "store": req.store,
-        "temperature": req.temperature if req.temperature is not None else 1.0,
-        "text": req.text or {"format": {"type": "text"}},
-        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": redacted_tools(req.tools),
-        "top_logprobs": req.top_logprobs,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
-        "truncation": req.truncation or "disabled",
-        "usage": None,
-        "user": req.user,
-    }
 
 
 @traced("gateway.prepare")
@@ -419,10 +399,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     call_names = call_names_of([*known_items, *items])
     by_id = {item.get("id"): item for item in known_items if item.get("id")}
 
+    references: dict[str, dict[str, Any]] = {}
+
     def resolve(item_id: str, where: str) -> dict[str, Any]:
         item = by_id.get(item_id)
         if item is None:
             raise NotFound(f"item {item_id!r} not found", param=f"{where}.id")
+        references[item_id] = item
         return item
 
     if conversation_items:
@@ -478,7 +461,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             effort=effort,
             instructions=instructions,
             history=[],  # rendered by `render_turn`, with the chain's history and what runs meanwhile
-            sampling=sampling_options(group, temperature=req.temperature, top_p=req.top_p),
+            sampling=sampling_options(
+                group,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+            ),
             tools=tuple(tools),
             namespaces=tuple(namespaces),
             gateway_namespaces=loop.namespaces if loop is not None else (),
@@ -508,13 +497,14 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             # previous_response_id changes every turn; the chain's root does not, so the whole chain
             # stays on one worker's KV cache (consistent_hash).
             ctx.routing_key = chain_root or conversation_id or req.user
-        envelope = _envelope(req, response_id, int(time.time()), group.name, effort)
+        envelope = response_envelope(req, response_id, int(time.time()), group.name, effort, mapped.sampling)
         plan = ResponsePlan(
             request=req,
             response_id=response_id,
             owner=ctx.owner,
             prepared=prepared,
             input_items=items,
+            references=references,
             turn_messages=turn,
             envelope=envelope,
             conversation_id=conversation_id,

@@ -1,5 +1,5 @@
 """Responses API request schema (OpenAI wire names). Unknown fields (Codex sends `client_metadata`,
-agents send `prompt_cache_key`, ...) are accepted and ignored; invalid values are 400 with `param`."""
+others `service_tier`, ...) are accepted and ignored; invalid values are 400 with `param`."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class ResponsesRequest(OpenModel):
     max_tool_calls: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     store: bool = True
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
@@ -45,6 +47,10 @@ class ResponsesRequest(OpenModel):
     metadata: Metadata = None
     parallel_tool_calls: bool | None = None
     user: str | None = None
+    #: OpenAI's stable id of an end user, echoed (its schema caps it at 64 characters).
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    #: Routes requests that share a prefix together (`pipeline.prepare.prompt_cache_key_of`); echoed.
+    prompt_cache_key: str | None = None
     include: list[str] | None = None
     text: dict[str, Any] | None = None
     truncation: str | None = None

@@ -18,6 +18,7 @@ from ....pipeline.context import GatewayState, RequestContext, detached_context,
 from ....pipeline.drive import collect
 from ..events import EventFeed, stream_stored_events
 from ..framer import ACTIVE_STATUSES, RUNNER_KEY, ResponsesFramer, finish_response, persist, record_of
+from ..objects import complete_response, ended_response
 from ..output import ResponseBuilder
 from ..plan import ResponsePlan
 from .turns import CLOSE_TIMEOUT, begin, turns
@@ -122,6 +123,7 @@ async def _run_background(
             message = exc.message if isinstance(exc, GatewayError) else "internal error while generating"
             if not isinstance(exc, GatewayError):
                 log_failure(log, f"background response {plan.response_id}", exc)
+            builder.usage = plan.usage()
             final = builder.finish("failed", error={"code": "server_error", "message": message})
         else:
             log_failure(log, f"storing background response {plan.response_id}", exc)
@@ -147,6 +149,8 @@ async def _end_cancelled(
         with contextlib.suppress(Exception):
             if await state.store.get_response_status(plan.response_id) == "cancelled":
                 builder.retract_final()  # that ending lost the race to the stored cancel
+    if builder.final is None:
+        builder.usage = plan.usage()
     final = builder.final or builder.finish("cancelled")
     if final["status"] == "cancelled":
         try:
@@ -173,20 +177,18 @@ async def cancel_response(state: GatewayState, response_id: str, owner: str) -> 
     if record.status in ACTIVE_STATUSES:
         record.status = "cancelled"
         record.updated_at = time.time()
-        record.response = dict(
-            record.response, status="cancelled", error=None, incomplete_details=None, completed_at=None
-        )
+        record.response = ended_response(record.response, "cancelled")
         if await state.store.update_response_if(record, ACTIVE_STATUSES):
             if await state.background.cancel(response_id):
                 stopped = await state.store.get_response(response_id, owner)
-                return stopped.response if stopped is not None else record.response
+                return complete_response(stopped.response) if stopped is not None else record.response
             return record.response
         found = await state.store.get_response(response_id, owner)  # it ended (or was cancelled) first
         if found is None:
             raise NotFound(f"Response with id {response_id!r} not found", param="response_id")
         record = found
     if record.status == "cancelled":
-        return record.response
+        return complete_response(record.response)
     raise InvalidRequest(f"Cannot cancel a response with status {record.status!r}.", param="response_id")
 
 

@@ -27,6 +27,7 @@ from ....storage.base import Store
 from ....tasks import TaskSupervisor
 from ....traffic.middleware import current_ticket
 from ..framer import ACTIVE_STATUSES, RUNNER_KEY
+from ..objects import ended_response
 
 log = logging.getLogger(__name__)
 
@@ -168,13 +169,10 @@ async def fail_interrupted(store: Store, runner_id: str) -> int:
             continue  # another replica's or a live sibling process's work
         record.status = "failed"
         record.updated_at = time.time()
-        record.response = dict(
+        record.response = ended_response(
             record.response,
-            status="failed",
-            error={
-                "code": "server_error",
-                "message": "the gateway restarted while this response was running",
-            },
+            "failed",
+            {"code": "server_error", "message": "the gateway restarted while this response was running"},
         )
         # Conditional: a sibling that ended or cancelled it meanwhile keeps its own ending.
         if await store.update_response_if(record, ACTIVE_STATUSES):

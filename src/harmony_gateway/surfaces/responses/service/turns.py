@@ -144,7 +144,9 @@ async def _next_turn(
     if over_limit:
         plan.limit_turns += 1
         if plan.limit_turns > 1:
-            plan.incomplete_reason = "max_tool_calls"
+            # The tool-call budget is spent: a length stop, as a budget cut short (the published
+            # schemas name no incomplete reason of its own for it).
+            plan.finish_reason = "length"
             return False
     remaining = remaining_budget(plan)
     if remaining is not None and remaining <= 0:
