@@ -303,10 +303,12 @@ async def warm_up(gateway: Gateway) -> None:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_STATE = re.compile(r'state="([^"]*)"')
 
 
 async def scrape(url: str, pattern: re.Pattern[str]) -> dict[str, float]:
-    """Metric samples whose name matches `pattern`, summed over their labels (histogram buckets left out)."""
+    """Metric samples whose name matches `pattern`, summed over their labels (histogram buckets left out;
+    a gauge with a `state` label is summed per state)."""
     out: dict[str, float] = {}
     with contextlib.suppress(aiohttp.ClientError, TimeoutError):
         async with (
@@ -316,11 +318,15 @@ async def scrape(url: str, pattern: re.Pattern[str]) -> dict[str, float]:
             text = await r.text()
         for line in text.splitlines():
             match = _SAMPLE.match(line)
-            if not match or not pattern.search(match[1]) or match[1].endswith("_bucket"):
+            if not match or not pattern.search(match[1]) or match[1].endswith(("_bucket", "_created")):
                 continue
+            name = match[1]
+            state = _STATE.search(match[2] or "")
+            if state:  # a state gauge: count the series in each state
+                name = f"{name}[{state[1]}]"
             with contextlib.suppress(ValueError):
-                out[match[1]] = out.get(match[1], 0.0) + float(match[3])
-    return out
+                out[name] = out.get(name, 0.0) + float(match[3])
+    return {name: value for name, value in out.items() if value or "[" not in name}
 
 
 KV_METRICS = re.compile(r"kv_", re.IGNORECASE)
@@ -529,13 +535,17 @@ def table(rows: list[dict[str, Any]]) -> str:
             one = _median([r["hit"] for r in by_label[label[:-3]]])
             two = _median([r["hit"] for r in group])
             if one and two is not None:
-                lines.append(f"- {label}: hit rate {100 * (two / one - 1):+.1f} % against one replica")
+                lines.append(
+                    f"- {label}: hit rate {100 * two / one:.0f} % of one replica's "
+                    f"({100 * (two / one - 1):+.1f} %)"
+                )
     first = rows[0]
     lines.append(
         f"- working set {first['working_set_tokens']:,} tokens (distinct blocks of every prompt and "
         f"answer), fleet KV capacity {first['capacity_tokens']:,} "
         f"({100 * first['capacity_tokens'] / max(1, first['working_set_tokens']):.0f} %); "
-        f"peak context of the sessions in progress {first['peak_live_tokens']:,} tokens; "
+        f"at most {first['peak_live_tokens']:,} tokens of context in the sessions in progress at once "
+        f"(shared prompts counted per session); "
         f"unbounded-cache hit rate {_pct(first['unbounded_hit'])}"
     )
     return "\n".join(lines)
