@@ -26,8 +26,9 @@ The hit rate is cached / prompt tokens over every request that arrived after the
 from __future__ import annotations
 
 import pickle
+import re
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ class OracleResult:
     unbounded_hit_rate: float
     #: Requests the oracle sent to each worker.
     assigned: list[int]
+    #: The worker the oracle chose for each request, by (twin, request number) as the twins noted them.
+    choices: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -122,6 +125,7 @@ def run_oracle(notes: list[TwinNotes], *, since: float = 0.0) -> OracleResult:
 
     caches = [BlockCache(size, capacity, "sglang") for _ in notes]
     assigned = [0] * len(caches)
+    choices: dict[tuple[int, int], int] = {}
     held: dict[tuple[int, int], _Held] = {}
     seen: set[int] = set()
     prompt_total = cached_total = unbounded_cached = 0
@@ -134,6 +138,7 @@ def run_oracle(notes: list[TwinNotes], *, since: float = 0.0) -> OracleResult:
             matches = [cache.match(usable) for cache in caches]
             worker = min(range(len(caches)), key=lambda w: (-max(0, matches[w] - shared), assigned[w], w))
             assigned[worker] += 1
+            choices[key] = worker
             cache = caches[worker]
             cached = matches[worker]
             pinned = cache.pin(keys[:cached])
@@ -174,4 +179,44 @@ def run_oracle(notes: list[TwinNotes], *, since: float = 0.0) -> OracleResult:
         working_set_tokens=len(seen) * size,
         unbounded_hit_rate=unbounded_cached / prompt_total if prompt_total else 0.0,
         assigned=assigned,
+        choices=choices,
+    )
+
+
+_MARK = re.compile(r"^ (\d+) turn (\d+)\]")
+
+
+def session_turns(notes: list[TwinNotes], *, since: float = 0.0) -> dict[tuple[int, int], tuple[int, int]]:
+    """(session, turn) of each request the twins noted at or after `since`, by (twin, request number),
+    read from the marker the trace puts at the start of every turn's message (`[session N turn T]`),
+    whichever gateway rendered the prompt: the last occurrence of its tokens is the current turn."""
+    # lazy: the encoding loads the o200k tables (~50 MB), only when the analysis runs
+    from harmony_gateway.harmony.encoding import get_encoding
+
+    encoding = get_encoding()
+    marker = encoding.encode("[session", allowed_special="all")
+    first, width = marker[0], len(marker)
+    out: dict[tuple[int, int], tuple[int, int]] = {}
+    for twin, note in enumerate(notes):
+        for t, number, _out_tokens, ids in note.enters:
+            if t < since:
+                continue
+            for start in range(len(ids) - width, -1, -1):
+                if ids[start] == first and list(ids[start : start + width]) == marker:
+                    text = encoding.decode(list(ids[start + width : start + width + 12]))
+                    match = _MARK.match(text)
+                    if match:
+                        out[(twin, number)] = (int(match[1]), int(match[2]))
+                    break
+    return out
+
+
+def moves(workers: dict[tuple[int, int], int], labels: dict[tuple[int, int], tuple[int, int]]) -> int:
+    """Turns served by another worker than the same session's turn before (`workers`: the worker of each
+    request, by the twins' (twin, request number))."""
+    by_turn = {labels[key]: worker for key, worker in workers.items() if key in labels}
+    return sum(
+        1
+        for (session, turn), worker in by_turn.items()
+        if turn > 0 and (session, turn - 1) in by_turn and by_turn[(session, turn - 1)] != worker
     )

@@ -39,6 +39,9 @@ Reported per configuration:
 - `oracle`: the hit rate of the offline oracle (`oracle.py`) on the same requests in the order they
   arrived: one instance of the twin's cache model per worker, each request routed to the cache holding
   its longest prefix; `hit/oracle` the ratio;
+- `moves`: turns served by another worker than their session's turn before (sessions are identified by
+  the `[session N turn T]` marker of each turn's message in the prompt ids the twins received; the
+  oracle never moves a session whose cache survives);
 - TTFT p50/p99 (first reasoning or answer delta, at the client), turns/s (successful turns over the
   replay's wall time), errors (failed turns; an agent stops at its first failure);
 - gateway CPU: user+system seconds of the gateway processes (all replicas, children included, psutil)
@@ -75,7 +78,7 @@ from typing import Any
 import aiohttp
 import psutil
 from agent_trace import Trace, TraceConfig, build_trace
-from oracle import OracleResult, TwinNotes, run_oracle
+from oracle import OracleResult, TwinNotes, moves, run_oracle, session_turns
 from replay import MODEL, ReplayResult, replay
 
 HERE = Path(__file__).resolve().parent
@@ -356,6 +359,11 @@ class Row:
     capacity_tokens: int
     peak_live_tokens: int
     per_worker_requests: list[int]
+    #: Turns served by another worker than their session's turn before (the router's and the oracle's).
+    moves: int
+    oracle_moves: int
+    #: Requests whose session and turn were read from the prompt (all of them, normally).
+    labelled: int
     oracle_assigned: list[int]
     evicted_blocks: int
     load_avg: tuple[float, float]
@@ -426,6 +434,13 @@ def run_config(
         procs.stop_all()
     notes = [TwinNotes.load(record) for _, record in workers]
     oracle: OracleResult = run_oracle(notes, since=result.started_at)
+    labels = session_turns(notes, since=result.started_at)
+    served = {
+        (twin, number): twin
+        for twin, note in enumerate(notes)
+        for t, number, _out, _ids in note.enters
+        if t >= result.started_at
+    }
     twin_prompt = twin_cached = 0
     per_worker: list[int] = []
     for note in notes:
@@ -464,6 +479,9 @@ def run_config(
         capacity_tokens=twin.capacity_tokens * WORKERS,
         peak_live_tokens=peak_live_tokens(result),
         per_worker_requests=per_worker,
+        moves=moves(served, labels),
+        oracle_moves=moves(oracle.choices, labels),
+        labelled=len(labels),
         oracle_assigned=oracle.assigned,
         evicted_blocks=sum(n.evicted_blocks for n in notes),
         load_avg=(load_before, load_after),
@@ -489,6 +507,10 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{1000 * x:.0f}"
 
 
+def _count(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0f}"
+
+
 def _median(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
@@ -503,9 +525,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     by_label = {label: [r for r in rows if r["label"] == label] for label in labels}
     smg_p99 = _median([r["ttft_p99"] for r in by_label.get("smg", [])])
     out = [
-        "| config | hit | twin hit | oracle | hit/oracle | TTFT p50 ms | TTFT p99 ms | p99/SMG | turns/s "
-        "| errors | gw CPU s | CPU ms/turn |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| config | hit | twin hit | oracle | hit/oracle | moves | TTFT p50 ms | TTFT p99 ms | p99/SMG "
+        "| turns/s | errors | gw CPU s | CPU ms/turn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, group in by_label.items():
 
@@ -518,6 +540,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 value += " (" + " / ".join(fmt(r[key]) for r in group) + ")"
             return value
 
+        for r in group:
+            r.setdefault("moves", None)
         ratios = [r["hit"] / r["oracle_hit"] if r["oracle_hit"] else None for r in group]
         ratio = _median(ratios)
         p99 = med("ttft_p99")
@@ -525,7 +549,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         errors = sum(r["errors"] for r in group)
         out.append(
             f"| {label} | {spread('hit', _pct)} | {_pct(med('twin_hit'))} | {_pct(med('oracle_hit'))} "
-            f"| {'–' if ratio is None else f'{ratio:.2f}'} | {spread('ttft_p50', _ms)} "
+            f"| {'–' if ratio is None else f'{ratio:.2f}'} | {_count(med('moves'))} "
+            f"| {spread('ttft_p50', _ms)} "
             f"| {spread('ttft_p99', _ms)} | {vs_smg} | {med('turns_per_s') or 0:.2f} | {errors} "
             f"| {med('gateway_cpu_s') or 0:.1f} | {med('cpu_ms_per_turn') or 0:.1f} |"
         )
@@ -555,7 +580,8 @@ def details(row: Row) -> str:
     kv = ", ".join(f"{k}={v:g}" for k, v in sorted(row.kv_metrics.items()))
     return (
         f"  {row.label} round {row.round}: {row.turns_ok}/{row.turns_sent} turns ok, wall {row.wall_s:.1f} s, "
-        f"per worker {row.per_worker_requests} (oracle {row.oracle_assigned}), evicted blocks "
+        f"per worker {row.per_worker_requests} (oracle {row.oracle_assigned}), "
+        f"moves {row.moves} (oracle {row.oracle_moves}; {row.labelled} labelled), evicted blocks "
         f"{row.evicted_blocks:,}, twin CPU {row.twin_cpu_s:.1f} s, load {row.load_avg[0]:.1f}"
         f"->{row.load_avg[1]:.1f}"
         + (f"\n    errors: {row.error_samples}" if row.error_samples else "")
