@@ -42,8 +42,9 @@ Reported per configuration:
 - `moves`: turns served by another worker than their session's turn before (sessions are identified by
   the `[session N turn T]` marker of each turn's message in the prompt ids the twins received; the
   oracle never moves a session whose cache survives);
-- TTFT p50/p99 (first reasoning or answer delta, at the client), turns/s (successful turns over the
-  replay's wall time), errors (failed turns; an agent stops at its first failure);
+- TTFT p50/p99 (first reasoning or answer delta, at the client), `p99/SMG` against SMG's with as many
+  replicas, turns/s (successful turns over the replay's wall time), errors (failed turns and the turns
+  their agents never sent);
 - gateway CPU: user+system seconds of the gateway processes (all replicas, children included, psutil)
   over the replay, and per successful turn.
 
@@ -523,7 +524,12 @@ def table(rows: list[dict[str, Any]]) -> str:
         if row["label"] not in labels:
             labels.append(row["label"])
     by_label = {label: [r for r in rows if r["label"] == label] for label in labels}
-    smg_p99 = _median([r["ttft_p99"] for r in by_label.get("smg", [])])
+    # TTFT p99 is compared with SMG's with as many replicas (one replica's when that is all there is).
+    smg_p99 = {
+        replicas: _median([r["ttft_p99"] for r in by_label.get(label, [])])
+        for replicas, label in ((1, "smg"), (2, "smg_x2"))
+    }
+    smg_p99[2] = smg_p99[2] or smg_p99[1]
     out = [
         "| config | hit | twin hit | oracle | hit/oracle | moves | TTFT p50 ms | TTFT p99 ms | p99/SMG "
         "| turns/s | errors | gw CPU s | CPU ms/turn |",
@@ -545,7 +551,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         ratios = [r["hit"] / r["oracle_hit"] if r["oracle_hit"] else None for r in group]
         ratio = _median(ratios)
         p99 = med("ttft_p99")
-        vs_smg = f"{p99 / smg_p99:.2f}" if p99 is not None and smg_p99 else "–"
+        reference = smg_p99.get(group[0].get("replicas", 1)) or smg_p99[1]
+        vs_smg = f"{p99 / reference:.2f}" if p99 is not None and reference else "–"
         errors = sum(r["errors"] for r in group)
         out.append(
             f"| {label} | {spread('hit', _pct)} | {_pct(med('twin_hit'))} | {_pct(med('oracle_hit'))} "
