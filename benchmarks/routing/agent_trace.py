@@ -2,9 +2,13 @@
 
 Each session is an agent loop: a shared system/tool prompt (one of a few families, 3–6k tokens), then
 turns that each add a tool result or user message (so the context grows to ~30k tokens) and the model's
-answer from the turn before. Between turns the agent "thinks" (an exponential pause). A fraction of
-sessions hop between two gateway replicas on every turn, as sessions behind a load balancer without
-affinity do. Everything is derived from one seed, so every policy replays the same trace.
+answer from the turn before. Between turns the agent "thinks" (an exponential pause). Sessions start
+spread uniformly over `ramp_seconds`, so some end while others begin, as on a fleet that is never idle.
+
+A fraction of sessions (`hop_fraction`) hop between two gateway replicas on every turn, as sessions
+behind a load balancer without affinity do; the others stay on their home replica. The trace is the same
+whatever the number of replicas it is replayed on (`Session.replica`): with one, every turn goes to it.
+Everything is derived from one seed, so every policy replays the same trace.
 
 Text is built from words that are one o200k token each, so a passage of N words is about N tokens.
 """
@@ -44,9 +48,17 @@ class Session:
     family: int
     system: str
     turns: tuple[Turn, ...]
-    #: Replica index per turn (0 or 1): pinned sessions keep one, hopping sessions alternate.
-    replicas: tuple[int, ...]
+    #: Seconds after the replay's start when the first turn is sent.
     start: float
+    #: The replica this session's pinned turns go to (among two), and whether it alternates instead.
+    home: int
+    hops: bool
+
+    def replica(self, turn: int, replicas: int) -> int:
+        """The gateway replica (0-based) turn `turn` is sent to when there are `replicas` of them."""
+        if replicas <= 1:
+            return 0
+        return (self.home + turn) % replicas if self.hops else self.home % replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +68,10 @@ class TraceConfig:
     families: int = 4
     system_tokens: tuple[int, int] = (3000, 6000)
     final_context_tokens: int = 30_000
-    think_seconds: float = 1.0
+    think_seconds: float = 1.5
     #: Sessions start spread over this many seconds.
-    ramp_seconds: float = 8.0
+    ramp_seconds: float = 30.0
     hop_fraction: float = 0.25
-    replicas: int = 1
     seed: int = 7
 
 
@@ -69,11 +80,20 @@ class Trace:
     config: TraceConfig
     sessions: list[Session] = field(default_factory=list)
 
-    def working_set_tokens(self) -> int:
-        """Tokens an oracle with unbounded caches would have to hold: every family's system prompt once,
-        plus every session's own context at its largest."""
+    def turns(self) -> int:
+        return sum(len(s.turns) for s in self.sessions)
+
+    def working_set_tokens(self, answer_tokens: int = 0, overhead_tokens: int = 0) -> int:
+        """An estimate of the tokens caches would hold to miss nothing: every family's system prompt
+        once, plus every session's own context at its largest (its messages, plus `answer_tokens` per
+        answer kept and `overhead_tokens` of framing per message). The benchmark reports the exact figure
+        from the prompts the engines received."""
         families = {s.family: len(s.system.split()) for s in self.sessions}
-        own = sum(sum(len(t.message.split()) for t in s.turns) for s in self.sessions)
+        own = sum(
+            sum(len(t.message.split()) + overhead_tokens for t in s.turns)
+            + (len(s.turns) - 1) * (answer_tokens + overhead_tokens)
+            for s in self.sessions
+        )
         return sum(families.values()) + own
 
 
@@ -97,10 +117,7 @@ def build_trace(config: TraceConfig) -> Trace:
             )
             for t in range(config.turns)
         )
-        hops = config.replicas > 1 and rng.random() < config.hop_fraction
-        home = sid % max(1, config.replicas)
-        replicas = tuple((home + t) % 2 if hops else home for t in range(config.turns))
-        trace.sessions.append(
-            Session(sid, family, systems[family], turns, replicas, rng.uniform(0, config.ramp_seconds))
-        )
+        hops = rng.random() < config.hop_fraction
+        start = rng.uniform(0, config.ramp_seconds)
+        trace.sessions.append(Session(sid, family, systems[family], turns, start, sid % 2, hops))
     return trace
