@@ -75,6 +75,8 @@ class Settings:
     balance_rel_threshold: float = 1.5
     #: kv_aware (routing/kv_aware.py): the weight of prefill tokens in a worker's cost ...
     kv_overlap_weight: float = 1.0
+    #: ... the weight of the uncached prompt tokens already queued on a worker against the prefix it holds ...
+    kv_queue_weight: float = 1.0
     #: ... the prompt tokens one request already running or waiting on a worker weighs ...
     kv_decode_weight: float = 1024.0
     #: ... the age in seconds past which an engine's load record is not read ...
@@ -235,6 +237,7 @@ class Settings:
         if policy == "kv_aware":
             return {
                 "overlap_weight": self.kv_overlap_weight,
+                "queue_weight": self.kv_queue_weight,
                 "decode_weight": self.kv_decode_weight,
                 "load_max_age": self.kv_load_max_age,
                 "kv_pressure_threshold": self.kv_pressure_threshold,

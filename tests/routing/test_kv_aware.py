@@ -92,6 +92,20 @@ def test_heavy_queued_prefill_on_b_spills_to_a() -> None:
     assert KvAwarePolicy().select([a, b], req(prompt)) is a
 
 
+def test_the_queue_weight_sets_how_much_a_queue_outweighs_a_held_prefix() -> None:
+    """A session's home worker holds most of its prompt but has prefill queued; an idle worker holds
+    none. At queue weight 1 the queue outweighs the held prefix and the turn leaves its cache; at a
+    lower weight it waits at home."""
+    prompt = ids(3000)
+    home, idle = indexed("home", BlockIndex().store(prompt[:2800])), indexed("idle")
+    pushed(home, load(running=1, waiting=1, uncached=3000))
+    pushed(idle, load(running=1))
+    assert KvAwarePolicy(queue_weight=1.0).select([home, idle], req(prompt)) is idle
+    assert KvAwarePolicy(queue_weight=0.25).select([home, idle], req(prompt)) is home
+    (score,) = KvAwarePolicy(queue_weight=0.25).scores([home], req(prompt))
+    assert score.cost == (3000 - 2800 + 0.25 * 3000) + 1024.0 * 2
+
+
 def test_many_running_requests_on_b_spill_to_a() -> None:
     prompt = ids(400)
     a, b = indexed("a"), indexed("b", BlockIndex().store(prompt))

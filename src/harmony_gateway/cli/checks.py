@@ -52,6 +52,7 @@ def flag(dest: str) -> str:
 #: Policy constructor options whose `serve` option has another name.
 _POLICY_OPTION_DESTS = {
     "overlap_weight": "kv_overlap_weight",
+    "queue_weight": "kv_queue_weight",
     "decode_weight": "kv_decode_weight",
     "load_max_age": "kv_load_max_age",
     "temperature": "kv_temperature",

@@ -350,6 +350,14 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
         "in its cost; 0 balances on load alone",
     )
     g.add_argument(
+        "--kv-queue-weight",
+        type=float,
+        default=1.0,
+        help="kv_aware: weight of the uncached prompt tokens already queued on a worker, against the "
+        "prefix it holds; below 1 a session's turn waits behind a queue rather than recompute its "
+        "context elsewhere",
+    )
+    g.add_argument(
         "--kv-decode-weight",
         type=float,
         default=1024.0,

@@ -83,7 +83,7 @@ class KvAwarePolicy(RoutingPolicy):
 
     For the prompt's `L` tokens, each available worker `w` costs
 
-        cost(w) = overlap_weight * (L - cached(w) + queued(w)) + decode_weight * active(w)
+        cost(w) = overlap_weight * (L - cached(w) + queue_weight * queued(w)) + decode_weight * active(w)
 
     in prompt-token equivalents: the prefill the prompt would leave on `w` (what its cache does not
     hold, behind what is already queued there) plus `decode_weight` tokens for each request already
@@ -121,6 +121,7 @@ class KvAwarePolicy(RoutingPolicy):
         self,
         *,
         overlap_weight: float = 1.0,
+        queue_weight: float = 1.0,
         decode_weight: float = 1024.0,
         load_max_age: float = 5.0,
         kv_pressure_threshold: float = 0.9,
@@ -133,6 +134,8 @@ class KvAwarePolicy(RoutingPolicy):
     ) -> None:
         if not overlap_weight >= 0.0:
             raise ValueError("overlap_weight must be 0 or more")
+        if not queue_weight >= 0.0:
+            raise ValueError("queue_weight must be 0 or more")
         if not decode_weight >= 0.0:
             raise ValueError("decode_weight must be 0 or more")
         if not load_max_age > 0.0:
@@ -143,6 +146,7 @@ class KvAwarePolicy(RoutingPolicy):
             raise ValueError("temperature must be 0 or more")
         check_balance_thresholds(balance_abs_threshold, balance_rel_threshold)
         self.overlap_weight = overlap_weight
+        self.queue_weight = queue_weight
         self.decode_weight = decode_weight
         self.load_max_age = load_max_age
         self.kv_pressure_threshold = kv_pressure_threshold
@@ -237,7 +241,7 @@ class KvAwarePolicy(RoutingPolicy):
                 cached = recorded.get(worker.id, 0) if spill is None else 0
             cached = max(0, min(cached, prompt))
             cost = (
-                self.overlap_weight * (prompt - cached + load.queued_tokens)
+                self.overlap_weight * (prompt - cached + self.queue_weight * load.queued_tokens)
                 + self.decode_weight * load.active
             )
             scores.append(
