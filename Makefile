@@ -2,7 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# One stamp per extra the venv holds: `make demo` installs the gateway and the SDK its examples use
+# (`.[demo]`), `make test` everything the suite needs (`.[test]`, which holds the demo extra, so it
+# stamps both). Switching between them installs only what is missing; a changed pyproject.toml
+# reinstalls whichever is asked for next.
+DEMO_STAMP := $(VENV)/.installed-demo
+STAMP := $(VENV)/.installed-test
 # Real clients the end-to-end tests drive, pinned; installed beside the venv when npm is available.
 CLIENT_TOOLS := @openai/codex@0.169.0 @anthropic-ai/claude-code@2.1.197
 TOOLS_STAMP := .tools/.installed
@@ -15,11 +20,20 @@ MLX_PACKAGES := smg-grpc-servicer==0.14.1 'mlx[cpu]==0.32.4' mlx-lm==0.31.3
 
 .PHONY: install demo test lint format bench clean chromium dnsmasq engines
 
-$(STAMP): pyproject.toml
+# $(call install_extra,NAME): the venv (created when missing) with the project and its NAME extra.
+define install_extra
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e '.[$(1)]'
+endef
+
+$(DEMO_STAMP): pyproject.toml
+	$(call install_extra,demo)
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml
+	$(call install_extra,test)
+	touch $(STAMP) $(DEMO_STAMP)
 
 $(TOOLS_STAMP): Makefile
 	@mkdir -p .tools
@@ -36,9 +50,9 @@ $(MLX_STAMP):
 engines: $(STAMP) $(MLX_STAMP)
 	@if [ -f $(MLX_STAMP) ]; then $(PY) -m harmony_gateway.sim.tiny_model build $(ENGINES) $(MLX_VENV)/bin/python; fi
 
-install: $(STAMP)
+install: $(DEMO_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/harmony-gateway serve --demo
 
 # The playground's browser tests drive Debian's Chromium through Playwright (never `playwright install`).

@@ -19,7 +19,8 @@ def settings_for(*flags: str):  # type: ignore[no-untyped-def]
 
 
 def test_admin_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HARMONY_GATEWAY_ADMIN_KEYS", "sk-env-1, sk-env-2")
+    monkeypatch.setenv("HARMONY_GATEWAY_ADMIN_KEY", "sk-env-1, sk-env-2")
+    assert settings_for().admin_keys == frozenset({"sk-env-1", "sk-env-2"})
     settings = settings_for(
         "--admin-key",
         "sk-flag",
@@ -29,12 +30,12 @@ def test_admin_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         "10.0.0.0/8,engine.internal",
         "--protect-metrics",
     )
-    assert settings.admin_keys == frozenset({"sk-flag", "sk-env-1", "sk-env-2"})
+    assert settings.admin_keys == frozenset({"sk-flag"})  # the command line wins over the environment
     assert (settings.admin_host, settings.admin_port) == ("127.0.0.1", 9001)
     assert settings.worker_allow_hosts == ("10.0.0.0/8", "engine.internal")
     assert settings.protect_metrics is True
     assert cli.invalid_setting(settings) is None
-    monkeypatch.delenv("HARMONY_GATEWAY_ADMIN_KEYS")
+    monkeypatch.delenv("HARMONY_GATEWAY_ADMIN_KEY")
     defaults = settings_for()
     assert defaults.admin_keys == frozenset() and defaults.admin_port is None and not defaults.protect_metrics
 

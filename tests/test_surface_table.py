@@ -51,7 +51,7 @@ def test_a_row_is_documented(app: Any, surface: Surface) -> None:
     assert operation["summary"] == surface.summary
     schema = operation["requestBody"]["content"]["application/json"]["schema"]
     assert schema["$ref"].endswith("/" + surface.request.__name__)
-    assert "text/event-stream" in operation["responses"]["200"]["content"]
+    assert ("text/event-stream" in operation["responses"]["200"]["content"]) == surface.streams
 
 
 @pytest.mark.parametrize("surface", ROWS)
@@ -74,6 +74,7 @@ def test_a_row_runs_through_the_driver_contract_tests(surface: Surface) -> None:
     [case] = [case for case in contract.SURFACES if case.name == surface.name]
     assert case.path == surface.path
     assert case.route == surface.name
+    assert case.streams == surface.streams
     # The contract's expected statuses are the wire's own.
     overloaded = surface.wire.error_response(NoHealthyWorker("no worker"))[0]
     assert case.status(503) == overloaded

@@ -22,7 +22,9 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi import FastAPI
 from openai_harmony import HarmonyEncoding
+from starlette.routing import WebSocketRoute
 
+from .api.accounting import RouteNames
 from .api.anthropic import router as anthropic_router
 from .api.direct_routes import DirectRoutes, post_endpoints
 from .api.error_responses import UnexpectedErrorMiddleware, install_error_handlers
@@ -31,6 +33,8 @@ from .api.openapi import install_openapi
 from .api.request_guard import RequestGuardMiddleware
 from .api.request_id import RequestIdMiddleware
 from .api.responses import router as responses_router
+from .api.responses_socket import PATH as SOCKET_PATH
+from .api.responses_socket import ResponsesSockets, SocketMetrics
 from .api.routes import router, surface_router
 from .api.workers import router as workers_router
 from .engines.registry import GRPC_ENGINES, create_client
@@ -53,7 +57,8 @@ from .surfaces.responses.service.runner import BackgroundRunner, default_runner_
 from .surfaces.table import route_map
 from .tasks import TaskSupervisor
 from .traffic import drain
-from .traffic.middleware import TrafficControl, TrafficMetrics, TrafficMiddleware
+from .traffic.keys import KeyRing
+from .traffic.middleware import TrafficControl, TrafficMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +94,12 @@ def load_vocabularies() -> HarmonyEncoding:
     return get_encoding()
 
 
-def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> GatewayState:
+def build_state(
+    settings: Settings, *, tasks: TaskSupervisor | None = None, keys: KeyRing | None = None
+) -> GatewayState:
     """The gateway's object graph, nothing started yet: the app lifespan starts the store, enters the
-    MCP pool and closes `tasks` (a new supervisor when not given) at shutdown."""
+    MCP pool and closes `tasks` (a new supervisor when not given) at shutdown. `keys` are the tenant
+    keys in force (the settings' when not given)."""
     encoding = load_vocabularies()
 
     def policy_for(model: str, role: str) -> object:
@@ -113,6 +121,8 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         health_timeout=settings.health_timeout,
         default_engine=settings.engine,
         breaker_cooldown=settings.breaker_cooldown,
+        retry_interval=settings.health_interval,
+        served_model_name=settings.served_model_name,
     )
     health = HealthConfig(
         interval=settings.health_interval,
@@ -147,6 +157,7 @@ def build_state(settings: Settings, *, tasks: TaskSupervisor | None = None) -> G
         health_config=health,
         background=BackgroundRunner(default_runner_id(settings.port), tasks),
         tasks=tasks,
+        keys=keys if keys is not None else KeyRing.from_settings(settings),
         discovery=_dns_discovery(settings, fleet, metrics),
         kv_subscriptions=kv_subscriptions,
     )
@@ -196,12 +207,14 @@ async def _purge_expired(state: GatewayState) -> None:
 
 
 async def _watch_workers(state: GatewayState, checker: HealthChecker) -> None:
-    """Probe workers whose model is still unknown (unreachable at start-up); the checker does the rest."""
+    """Probe workers whose model is still unknown (unreachable at start-up), each as its back-off allows
+    (`Fleet.due_for_probe`); the checker does the rest."""
     while True:
         await anyio.sleep(state.settings.health_interval)
-        for worker in state.fleet.all_workers():
-            if worker.model_info is None:
-                await state.fleet.probe(worker)
+        async with anyio.create_task_group() as tg:
+            for worker in state.fleet.all_workers():
+                if state.fleet.due_for_probe(worker):
+                    tg.start_soon(state.fleet.probe, worker)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -210,11 +223,12 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        gw = build_state(settings, tasks=tasks)
+        gw = build_state(settings, tasks=tasks, keys=control.keys)
         app.state.gateway = gw
         if settings.otlp_endpoint:
             tracing.configure(settings.otlp_endpoint)
-        control.attach_metrics(TrafficMetrics(gw.metrics.registry))
+        control.attach_metrics(gw.metrics.registry)
+        sockets.attach_metrics(SocketMetrics(gw.metrics.registry))
         control.background_running = lambda: gw.background.active
         # Everything from here on is stopped in the finally, a failure during start-up included.
         try:
@@ -242,7 +256,7 @@ def create_app(settings: Settings) -> FastAPI:
                     checker,
                     gw.fleet.admit,
                     default_runner_id(settings.port),
-                    after_sync=gw.metrics.refresh_fleet,
+                    after_sync=gw.metrics.refresh_files,
                 )
                 await shared.start()
             # MCP connections (pooled and per request) run in the pool's task group until shutdown.
@@ -261,6 +275,10 @@ def create_app(settings: Settings) -> FastAPI:
                 # Also without retention: expiring gateway values (restorable reasoning) are purged here.
                 tg.start_soon(_purge_expired, gw)
                 tg.start_soon(control.run)
+                if gw.keys.file is not None:
+                    # The key file is read again when it changes and on SIGHUP, without a restart.
+                    tg.start_soon(gw.keys.watch)
+                    await tg.start(gw.keys.reload_on_hangup)
                 try:
                     yield
                 finally:
@@ -294,6 +312,9 @@ def create_app(settings: Settings) -> FastAPI:
     control = TrafficControl(settings, shared_slots_path=os.environ.get(SHARED_SLOTS_ENV), tasks=tasks)
     drain.current_control = control
     app.state.traffic = control
+    # The Responses API's WebSocket mode: the same path as POST /v1/responses, upgraded.
+    sockets = ResponsesSockets(settings, control)
+    app.state.sockets = sockets
     # Innermost: the generating routes without FastAPI's per-request routing work (api/direct_routes.py).
     # The generating routes and the wire of every route, from the surface table.
     routes = route_map()
@@ -307,16 +328,15 @@ def create_app(settings: Settings) -> FastAPI:
         body_timeout=settings.body_timeout,
         routes=routes,
     )
-    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean 500.
-    app.add_middleware(UnexpectedErrorMiddleware, routes=routes)
+    routers = (surface_router, router, responses_router, workers_router, anthropic_router, inspector_router)
+    # Inside the request-id middleware, outside the rest: a failure anywhere is one log line and a clean
+    # 500, and every request, refused or failed, is accounted once.
+    app.add_middleware(UnexpectedErrorMiddleware, routes=routes, names=RouteNames(routers))
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 included, carries the id
     install_error_handlers(app, routes)
-    app.include_router(surface_router)
-    app.include_router(router)
-    app.include_router(responses_router)
-    app.include_router(workers_router)
-    app.include_router(anthropic_router)
-    app.include_router(inspector_router)
+    for included in routers:
+        app.include_router(included)
+    app.router.routes.append(WebSocketRoute(SOCKET_PATH, sockets, name="responses_socket"))
     # /openapi.json and /docs: the spec lists the routes included above; --protect-metrics guards both.
     install_openapi(app)
     return app

@@ -1,6 +1,7 @@
 """The network-address guard shared by everything that connects where a request tells it to (an MCP
 `server_url`, a worker registered through the admin API): which addresses count as public, the operator's
-allow list of hosts, addresses and networks, and host resolution that never blocks the event loop.
+allow list of hosts, addresses and networks, the addresses that can never be an engine whatever the
+operator lists, and host resolution that never blocks the event loop.
 
 Each caller decides what a refused or unresolvable host means on its own wire (mcp/security.py,
 routing/url_policy.py); this module only answers the questions and raises `UnresolvableHost`.
@@ -46,6 +47,11 @@ class HostAllowList:
             except ValueError:
                 self.names.add(entry.lower().rstrip("."))
 
+    @property
+    def empty(self) -> bool:
+        """True when nothing is listed."""
+        return not self.names and not self.networks
+
     def allows_name(self, host: str) -> bool:
         return host.lower().rstrip(".") in self.names
 
@@ -58,6 +64,33 @@ def is_public(address: IPAddress) -> bool:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_global and not address.is_multicast
+
+
+#: Cloud metadata services outside link-local space (169.254.169.254 is link-local): AWS's over IPv6,
+#: Alibaba Cloud's, Oracle Cloud's older address.
+METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
+    ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200", "192.0.0.192")
+)
+
+
+def unusable_address(address: IPAddress) -> str | None:
+    """Why `address` can never be an engine worker, or None when it can: link-local (169.254.0.0/16 holds
+    the cloud metadata service; fe80::/10 needs an interface), another cloud metadata address, multicast,
+    unspecified or IPv4 reserved (240.0.0.0/4, broadcast). An IPv4-mapped IPv6 address is judged as its
+    IPv4 address. No allow list opens these."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_link_local:
+        return "link-local (the cloud metadata service lives there)"
+    if address in METADATA_ADDRESSES:
+        return "a cloud metadata service"
+    if address.is_multicast:
+        return "multicast"
+    if address.is_unspecified:
+        return "unspecified"
+    if isinstance(address, ipaddress.IPv4Address) and address.is_reserved:
+        return "reserved"  # 240.0.0.0/4 and the broadcast address (IPv6's "reserved" ::/8 holds ::1)
+    return None
 
 
 async def resolve_host(host: str, port: int, timeout: float) -> list[IPAddress]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from .settings import Settings
+from .settings import KeyPolicy
 
 #: Stored objects of a named tenant are owned by this prefix plus the name; a bare key's tenant is its
 #: hex key id, which can never start with it, so a name never collides with a key's own tenant.
@@ -30,6 +31,11 @@ class Principal:
     tenant: str
     #: An `--admin-key`: the admin plane only (api/admin.py); an admin key is never a tenant key.
     admin: bool = False
+
+    @property
+    def tenant_name(self) -> str:
+        """The key file's `tenant=NAME`; "" for a key that is its own tenant, and without keys."""
+        return self.tenant[len(TENANT_PREFIX) :] if self.tenant.startswith(TENANT_PREFIX) else ""
 
 
 ANONYMOUS = Principal(key_id="", tenant="")
@@ -51,20 +57,30 @@ def presented_key(headers: Mapping[str, str]) -> str:
     return headers.get("x-api-key", "").strip()
 
 
-def authenticate(settings: Settings, headers: Mapping[str, str]) -> Principal | None:
+class KeySource(Protocol):
+    """The tenant keys in force and the key file's entries: the app's `traffic.keys.KeyRing` (which a
+    key file reload changes), or fixed `Settings`."""
+
+    @property
+    def api_keys(self) -> frozenset[str]: ...
+
+    @property
+    def key_policies(self) -> Mapping[str, KeyPolicy]: ...
+
+
+def authenticate(keys: KeySource, headers: Mapping[str, str]) -> Principal | None:
     """The tenant principal of a request; None when keys are configured and the request's key is missing
     or not a tenant key (the route answers 401). Admin keys authenticate on the admin plane only."""
-    keys = settings.api_keys
-    if not keys:
+    if not keys.api_keys:
         return ANONYMOUS
     key = presented_key(headers)
-    if not key or key not in keys:
+    if not key or key not in keys.api_keys:
         return None
-    return tenant_principal(settings, key)
+    return tenant_principal(keys, key)
 
 
-def tenant_principal(settings: Settings, key: str) -> Principal:
+def tenant_principal(keys: KeySource, key: str) -> Principal:
     identity = key_id(key)
-    policy = settings.key_policies.get(key)
+    policy = keys.key_policies.get(key)
     tenant = policy.tenant if policy is not None else None
     return Principal(key_id=identity, tenant=TENANT_PREFIX + tenant if tenant else identity)

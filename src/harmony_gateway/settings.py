@@ -57,6 +57,9 @@ class Settings:
     worker_dns_drain_timeout: float | None = None
     engine: str = "auto"  # sglang | vllm | auto
     harmony_models: frozenset[str] = frozenset()
+    #: The name clients use for the model the workers serve (`--served-model-name`), whatever name the
+    #: engines report; None: the engines' names. Every worker must then serve the same model.
+    served_model_name: str | None = None
     policy: str = "round_robin"
     model_policies: dict[str, str] = field(default_factory=dict)
     prefill_policy: str | None = None
@@ -72,6 +75,8 @@ class Settings:
     balance_rel_threshold: float = 1.5
     #: kv_aware (routing/kv_aware.py): the weight of prefill tokens in a worker's cost ...
     kv_overlap_weight: float = 1.0
+    #: ... the weight of the uncached prompt tokens already queued on a worker against the prefix it holds ...
+    kv_queue_weight: float = 1.0
     #: ... the prompt tokens one request already running or waiting on a worker weighs ...
     kv_decode_weight: float = 1024.0
     #: ... the age in seconds past which an engine's load record is not read ...
@@ -176,8 +181,12 @@ class Settings:
     token_rate_limit: int | None = None
     #: redis://host:port/db keeps the budgets in Redis, shared by every replica; None: per process.
     rate_limit_store: str | None = None
-    #: Key file entries with their own limits and priority (`KeyPolicy`), by key.
+    #: Key file entries with their own limits and priority (`KeyPolicy`), by key, as read at start-up
+    #: (their keys are among `api_keys`).
     key_policies: dict[str, KeyPolicy] = field(default_factory=dict)
+    #: The key file (`--api-key-file`): read again when it changes and on SIGHUP (traffic/keys.py
+    #: `KeyRing`); None: the keys are fixed.
+    api_key_file: str | None = None
     #: SIGTERM: seconds in-flight requests may take to finish before they are cut.
     drain_timeout: float = 30.0
     #: OTLP/HTTP collector base URL (http://host:4318); None: tracing off.
@@ -194,6 +203,10 @@ class Settings:
     max_headers: int = 128
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    #: The gateway's own TLS (`--ssl-certfile`, `--ssl-keyfile`: PEM files); None: plain HTTP (a proxy
+    #: in front terminates TLS).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
     #: Peers (IPs, CIDRs, or "*") whose `X-Forwarded-For` / `X-Forwarded-Proto` are believed: the client
     #: address (per-address budgets, logs) is then the forwarded one. Empty: no peer is (uvicorn's own
     #: default would trust 127.0.0.1, so any local client could pick its address).
@@ -201,6 +214,19 @@ class Settings:
     #: Most token ids `POST /v1/harmony/parse` reads (a text is encoded first; it may hold 8 characters a
     #: token); a larger input is a 400 naming `token_ids` or `text`.
     max_parse_tokens: int = 131_072
+    #: The Responses API's WebSocket mode (api/responses_socket.py): the largest client message (a larger
+    #: one closes the socket with 1009 before it is read), seconds a socket may sit idle (no turn running,
+    #: nothing received) before it is closed, the `response.create` turns one socket may run, and its
+    #: lifetime (OpenAI's own is 60 minutes); past a limit the next turn gets an `error` event
+    #: `websocket_connection_limit_reached` and the socket closes.
+    ws_max_message_bytes: int = 8 * 1024 * 1024
+    ws_idle_timeout: float = 300.0
+    ws_max_turns: int = 1000
+    ws_max_lifetime: float = 3600.0
+    #: Open sockets one key (one client address on a gateway without keys) may hold; a handshake past it
+    #: is refused with 429. Sockets skip uvicorn's `--max-connections` count once upgraded, so this is
+    #: what bounds them per client.
+    ws_max_sockets_per_key: int = 64
 
     @property
     def conversation_limits(self) -> ConversationLimits:
@@ -211,6 +237,7 @@ class Settings:
         if policy == "kv_aware":
             return {
                 "overlap_weight": self.kv_overlap_weight,
+                "queue_weight": self.kv_queue_weight,
                 "decode_weight": self.kv_decode_weight,
                 "load_max_age": self.kv_load_max_age,
                 "kv_pressure_threshold": self.kv_pressure_threshold,

@@ -3,9 +3,10 @@
 how a stream ends after it (its terminal frame). Three wires exist: `OPENAI` (Chat Completions,
 completions, `/generate`: `{"error": {message, type, param, code}}` with the error's own status; a
 stream ends with `data: {"error": ...}` and `[DONE]`), `RESPONSES` (the OpenAI body; a stream ends with
-an `error` event numbered after the stream's last event) and `ANTHROPIC` (the Messages API's statuses,
-529 when overloaded, and `{"type": "error", "error": {type, message}}`; a stream ends with an `error`
-event).
+an `error` event numbered after the stream's last event; on a WebSocket, a turn that fails before its
+first event gets the socket's own `error` event, `responses_socket_error`) and `ANTHROPIC` (the
+Messages API's statuses, 529 when overloaded, and `{"type": "error", "error": {type, message}}`; a
+stream ends with an `error` event).
 
 A route sets its wire on the `RequestContext`, from which the stream driver, the error handlers and
 traffic control frame errors; before a route ran, they read the wire of each route from
@@ -114,6 +115,23 @@ def _responses_stream_error(exc: BaseException, next_sequence: int) -> bytes:
 RESPONSES = Wire("responses", _openai_response, _responses_stream_error)
 
 
+def responses_socket_error(
+    exc: BaseException, headers: dict[str, str] | None = None, *, sequence_number: int | None = None
+) -> dict[str, Any]:
+    """The `error` event of a Responses WebSocket (OpenAI's `ResponseWsError`) for what `POST
+    /v1/responses` would answer with an HTTP error: the status it would have, the same error object,
+    and the headers the answer would carry (`x-request-id`, `retry-after`) in it. A socket's error
+    event leaves the socket open. `sequence_number` numbers one that ends a response's events."""
+    status, body = _openai_response(exc)
+    error = dict(body["error"])
+    if headers:
+        error["headers"] = headers
+    event: dict[str, Any] = {"type": "error", "status": status, "error": error}
+    if sequence_number is not None:
+        event["sequence_number"] = sequence_number
+    return event
+
+
 # -- Anthropic Messages --------------------------------------------------------------------------------------
 #: GatewayError status → (HTTP status, Anthropic error type). Anthropic answers 529 when overloaded.
 _ANTHROPIC_ERRORS: dict[int, tuple[int, str]] = {
@@ -198,5 +216,6 @@ __all__ = [
     "Wire",
     "WiredRequest",
     "responses_error_event",
+    "responses_socket_error",
     "error_headers",
 ]

@@ -12,7 +12,7 @@ import httpx
 
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from tests.conftest import MODEL
-from tests.support.servers import client_request_id
+from tests.support.servers import RunningGateway, client_request_id, wait_until
 
 _ids = itertools.count()
 
@@ -27,6 +27,12 @@ async def sims(*configs: SimConfig) -> AsyncIterator[list[RunningSim]]:
     finally:
         for sim in started:
             await sim.stop()
+
+
+async def all_workers_up(gateway: RunningGateway) -> None:
+    """Wait until every configured worker takes traffic: a gateway is ready once one does, and a test
+    about how requests spread over several must not start while the others' first probes are pending."""
+    await wait_until(lambda: all(w.available() for w in gateway.state.fleet.all_workers()))
 
 
 def next_request_id(prefix: str = "req") -> str:

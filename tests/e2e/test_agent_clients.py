@@ -48,11 +48,11 @@ async def run_cli(*argv: str, cwd: Path, env: dict[str, str]) -> str:
     return text
 
 
-def codex_home(tmp_path: Path, gateway: RunningGateway) -> dict[str, str]:
+def codex_home(tmp_path: Path, gateway: RunningGateway, *, settings: str = "") -> dict[str, str]:
     home = tmp_path / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text(
-        f'model = "{MODEL}"\nmodel_provider = "gw"\n\n'
+        f'model = "{MODEL}"\nmodel_provider = "gw"\n{settings}\n'
         f'[model_providers.gw]\nname = "harmony-gateway"\nbase_url = "{gateway.base_url}"\n'
         'wire_api = "responses"\nenv_key = "GW_KEY"\n'
     )
@@ -92,6 +92,38 @@ async def test_codex_default_config_shell_round_trip(
     assert first_analysis not in prompts[0]
     assert first_analysis in prompts[1]  # the replayed reasoning item, rendered as analysis
     assert "marker.txt" in prompts[1]
+
+
+@pytest.mark.skipif(_cli("codex") is None, reason="the Codex CLI is not installed (npm i -g @openai/codex)")
+async def test_codex_compacts_its_context_through_the_gateway(
+    gateway: RunningGateway, sim: RunningSim, tmp_path: Path
+) -> None:
+    """Codex's compaction with a provider of its own (its default flow for any provider but OpenAI's):
+    once a turn's usage passes its limit it asks the model for a handoff summary with a normal
+    Responses request, then carries on from that summary. Only the limit is lowered here, so a short
+    turn reaches it; the flow is Codex's default."""
+    env = codex_home(tmp_path, gateway, settings="model_auto_compact_token_limit = 1000\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "marker.txt").write_text("")
+    start = len(sim.requests)
+    out = await run_cli(
+        _cli("codex") or "codex",
+        "exec",
+        "--skip-git-repo-check",
+        "Use exec_command for ls [[required]]",
+        cwd=work,
+        env=env,
+    )
+    assert "context compacted" in out
+    prompts = prompts_since(sim, start)
+    [asked] = [i for i, p in enumerate(prompts) if "CONTEXT CHECKPOINT" in p]
+    # The summary request holds the turn so far: the call and its output.
+    assert "marker.txt" in prompts[asked] and "exec_command" in prompts[asked]
+    # Codex carries on from the summary the model wrote, handed back as a user message.
+    after = prompts[asked + 1 :]
+    assert after and "Summary of the conversation" in after[0]
+    assert "This is a simulated answer." in out.split("context compacted", 1)[1]
 
 
 @pytest.mark.skipif(

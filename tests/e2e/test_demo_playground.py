@@ -1,5 +1,5 @@
 """`harmony-gateway serve --demo` (what `make demo` runs) prints the playground's address first, and the
-address serves the page, which loads its own files only."""
+address serves the page, which loads its own files only, and the favicon browsers ask for."""
 
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ async def test_demo_prints_the_playground_address_first_and_serves_it() -> None:
             for asset in ("playground.js", "playground.css"):
                 assert asset in page.text
                 assert (await client.get(f"{url}playground/static/{asset}")).status_code == 200
+            icon = await client.get(f"{url}favicon.ico")
+            assert icon.status_code == 200 and icon.headers["content-type"] == "image/x-icon"
+            assert icon.content[:4] == b"\x00\x00\x01\x00"  # an ICO file, with one PNG image:
+            assert icon.content[22:30] == b"\x89PNG\r\n\x1a\n"
+            assert '<link rel="icon" href="/favicon.ico">' in page.text
             missing = await client.get(f"{url}playground/static/..%2Fstatic%2Fplayground.html")
             assert missing.status_code == 404 and missing.json()["error"]["type"]
     finally:

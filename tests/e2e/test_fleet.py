@@ -11,7 +11,7 @@ import httpx
 
 from harmony_gateway.sim import SimConfig, start_sim_engine
 from tests.conftest import MODEL
-from tests.e2e._fleet import answer_text, chat, next_request_id, served_by, sims
+from tests.e2e._fleet import all_workers_up, answer_text, chat, next_request_id, served_by, sims
 from tests.support.servers import client_request_id, client_request_ids, running_gateway, wait_until
 from tests.support.servers import test_settings as gateway_settings
 
@@ -26,6 +26,7 @@ async def test_round_robin_alternates() -> None:
     async with sims(SimConfig(), SimConfig()) as engines:
         settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="round_robin", **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             order = []
             for _ in range(6):
                 rid = next_request_id("rr")
@@ -42,6 +43,7 @@ async def test_consistent_hash_pins_sessions() -> None:
             worker_urls=tuple(e.url for e in engines), policy="consistent_hash", **FAST
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             homes: dict[str, set[int]] = {}
             for turn in range(3):
                 for session in ("alice", "bob", "carol", "dave", "erin", "frank"):
@@ -61,6 +63,7 @@ async def test_cache_aware_keeps_a_long_prefix_on_one_worker() -> None:
     async with sims(SimConfig(), SimConfig()) as engines:
         settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="cache_aware", **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             homes: dict[int, set[int]] = {}
             for question in ("Summarise it.", "List the topics.", "Count the paragraphs."):
                 for d, document in enumerate(documents):
@@ -76,6 +79,7 @@ async def test_killed_worker_is_routed_around_and_returns_after_restart() -> Non
     async with sims(SimConfig(), SimConfig()) as engines:
         settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="round_robin", **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             victim = engines[1]
             port = victim.port
             worker = worker_by_url(gw, victim.url)
@@ -106,6 +110,7 @@ async def test_a_failure_after_tokens_is_reported_not_replayed() -> None:
     async with sims(SimConfig(), SimConfig()) as engines:
         settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="round_robin", **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             for sim in engines:
                 sim.fail_next(grpc.StatusCode.UNAVAILABLE, after_tokens=5)
             rid = next_request_id("mid")
@@ -123,6 +128,7 @@ async def test_pd_shares_one_bootstrap_room_and_answers_from_decode() -> None:
     ):
         settings = gateway_settings(prefill_urls=(prefill.url,), decode_urls=(decode.url,), **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             await wait_until(lambda: gw.state.fleet.ready())
             for stream in (False, True):
                 rid = next_request_id("pd")
@@ -168,6 +174,7 @@ async def test_rejected_requests_do_not_open_the_breaker() -> None:
             worker_urls=(engine.url,), breaker_failure_threshold=2, **{**FAST, "breaker_cooldown": 60}
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             worker = worker_by_url(gw, engine.url)
             for _ in range(4):
                 engine.fail_next(grpc.StatusCode.INVALID_ARGUMENT, message="bad request")
@@ -203,6 +210,7 @@ async def test_consistent_hash_pins_chat_users_and_spreads_them() -> None:
             worker_urls=tuple(e.url for e in engines), policy="consistent_hash", **FAST
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             homes: dict[str, set[int]] = {}
             for turn in range(3):
                 for user in ("ann", "ben", "cat", "dan", "eve", "fay", "gus", "hal"):
@@ -220,6 +228,7 @@ async def test_consistent_hash_keeps_a_previous_response_chain_on_one_worker() -
             worker_urls=tuple(e.url for e in engines), policy="consistent_hash", **FAST
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             homes: list[set[int]] = []
             for chain in range(5):
                 home: set[int] = set()
@@ -295,6 +304,7 @@ async def test_harmony_models_turns_on_harmony_for_a_model_not_reported_as_gpt_o
             assert gw.state.fleet.groups[name].harmony is False
         settings = gateway_settings(worker_urls=(engine.url,), harmony_models=frozenset({name}), **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             await wait_until(lambda: name in gw.state.fleet.groups)
             assert gw.state.fleet.groups[name].harmony is True
             r = await chat(http, model=name)
@@ -308,6 +318,7 @@ async def test_sampling_reaches_the_sglang_engine_exactly() -> None:
     async with sims(SimConfig()) as (engine,):
         settings = gateway_settings(worker_urls=(engine.url,), **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             r = await chat(
                 http,
                 temperature=0.25,

@@ -220,11 +220,11 @@ async def test_metrics_count_text_parser_outcomes(
         for line in text.splitlines()
         if line and line[0] != "#"
     }
-    assert lines['harmony_channel_messages_total{channel="<unknown>"}'] >= 1
-    assert lines['harmony_channel_messages_total{channel="final"}'] >= 1
-    assert lines['harmony_marker_fallback_total{fallback="passthrough"}'] >= 1
-    assert lines['harmony_channel_parse_errors_total{kind="text"}'] >= 1
-    assert lines["harmony_reasoning_answer_ratio_count"] >= 3
+    assert lines['gateway_harmony_channel_messages_total{channel="<unknown>"}'] >= 1
+    assert lines['gateway_harmony_channel_messages_total{channel="final"}'] >= 1
+    assert lines['gateway_harmony_marker_fallback_total{fallback="passthrough"}'] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="text"}'] >= 1
+    assert lines["gateway_harmony_reasoning_answer_ratio_count"] >= 3
 
 
 async def test_worker_url_forms() -> None:
@@ -357,7 +357,7 @@ async def test_text_parser_window_setting() -> None:
                         assert (out["reasoning"], out["content"]) == (reasoning, content)
                 async with httpx.AsyncClient() as http:
                     metrics = (await http.get(gw.url + "/metrics")).text
-            fell_back = 'harmony_marker_fallback_total{fallback="marker"} 2.0' in metrics
+            fell_back = 'gateway_harmony_marker_fallback_total{fallback="marker"} 2.0' in metrics
             assert fell_back == (window == 24)
 
 

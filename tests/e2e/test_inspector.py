@@ -336,11 +336,31 @@ async def test_parse_canonical_output(http: httpx.AsyncClient) -> None:
         ("<|channel|>final<|message|>cut short", "unterminated_message"),
         ("<|channel|>final<|message|>Hi<|end|><|end|><|return|>", "trailing_tokens_ignored"),
         ("<|message|><|message|>this is not harmony<|start|><|end|>", "not_harmony"),
+        # Text with no Harmony header at all: still the answer, but reported as repaired.
+        ("I can't help with that.<|end|>", "no_header"),
+        ("I can't help with that.", "no_header"),
+        ("<|channel|>analysis<|message|>No.<|end|><|start|>assistant I can't help.<|end|>", "no_header"),
+        (
+            "<|channel|>final<|message|>x<|end|><|start|>assistant<|channel|>junk<|message|>y<|end|>",
+            "unknown_channel",
+        ),
     ],
 )
 async def test_parse_reports_what_it_repaired(http: httpx.AsyncClient, output: str, kind: str) -> None:
     parsed = (await http.post("/v1/harmony/parse", json={"token_ids": _ids(output)})).json()
     assert kind in [r["kind"] for r in parsed["recoveries"]], parsed
+
+
+async def test_parse_reports_a_bare_answer_as_a_recovery_not_a_plain_answer(http: httpx.AsyncClient) -> None:
+    """A refusal with no Harmony header is kept as the answer, and reported as repaired, whether it
+    arrives as ids or as text with its end token spelled out."""
+    output = "I can't help with that.<|end|>"
+    for payload in ({"token_ids": _ids(output)}, {"text": output}):
+        parsed = (await http.post("/v1/harmony/parse", json=payload)).json()
+        assert [(m["kind"], m["channel"], m["text"]) for m in parsed["messages"]] == [
+            ("answer", None, "I can't help with that.")
+        ]
+        assert {"kind": "no_header", "count": 1, "fatal": False} in parsed["recoveries"], parsed
 
 
 async def test_parse_text_without_markers_uses_the_text_parser(http: httpx.AsyncClient) -> None:

@@ -14,7 +14,7 @@ from harmony_gateway.engines.kv_events import EngineLoad
 from harmony_gateway.routing import Worker
 from harmony_gateway.sim import SimConfig
 from tests.conftest import MODEL
-from tests.e2e._fleet import chat, next_request_id, served_by, sims
+from tests.e2e._fleet import all_workers_up, chat, next_request_id, served_by, sims
 from tests.routing._fakes import BlockIndex
 from tests.support.servers import RunningGateway, running_gateway
 from tests.support.servers import test_settings as gateway_settings
@@ -51,6 +51,7 @@ async def test_kv_aware_serves_and_keeps_prefixes_on_their_workers_without_event
     async with sims(SimConfig(), SimConfig()) as engines:
         settings = gateway_settings(worker_urls=tuple(e.url for e in engines), policy="kv_aware", **FAST)
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             homes: dict[int, set[int]] = {}
 
             async def ask(d: int, question: str) -> None:
@@ -82,6 +83,7 @@ async def test_kv_aware_follows_the_engine_index_and_leaves_it_under_load() -> N
             worker_urls=tuple(e.url for e in engines), policy="kv_aware", kv_events="off", **FAST
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             prompt = f"{DOCUMENTS[0]}\n\nSummarise it."
             first = next_request_id("kv")
             assert (await chat(http, prompt, request_id=first)).status_code == 200
@@ -115,6 +117,7 @@ async def test_the_inspector_shows_nothing_only_an_engine_caches() -> None:
             worker_urls=tuple(e.url for e in engines), policy="kv_aware", kv_events="off", **FAST
         )
         async with running_gateway(settings) as gw, httpx.AsyncClient(base_url=gw.url, timeout=10) as http:
+            await all_workers_up(gw)
             assert (await chat(http, f"{DOCUMENTS[1]}\n\nSummarise it.")).status_code == 200
             prompt = f"{DOCUMENTS[2]}\n\nSummarise it."
             body = {

@@ -292,7 +292,10 @@ async def test_a_client_leaving_mid_body_is_one_log_line(
     writer.close()
     await writer.wait_closed()
     async with asyncio.timeout(10):
-        while not any("client left during the request body" in r.getMessage() for r in caplog.records):
+        while not any(r.name == "harmony_gateway.requests" for r in caplog.records):
             await asyncio.sleep(0.02)
+    about_it = ("harmony_gateway.requests", "harmony_gateway.api.error_responses")
+    [line] = [r for r in caplog.records if r.name in about_it]
+    assert (line.fields["status"], line.fields["route"]) == (499, "chat")  # type: ignore[attr-defined]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not [r for r in caplog.records if r.exc_info]

@@ -92,7 +92,7 @@ async def test_anthropic_keeps_the_answer_of_malformed_output(gateway: RunningGa
 
 
 async def test_recoveries_are_counted_by_kind(client: openai.AsyncOpenAI, gateway: RunningGateway) -> None:
-    for trigger in ("[[bad_header]]", "[[stray_text]]", "[[return_after_analysis]]"):
+    for trigger in ("[[bad_header]]", "[[stray_text]]", "[[return_after_analysis]]", "[[bare_refusal]]"):
         await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Tell me something {trigger}"}]
         )
@@ -103,6 +103,7 @@ async def test_recoveries_are_counted_by_kind(client: openai.AsyncOpenAI, gatewa
         for line in text.splitlines()
         if line and line[0] != "#"
     }
-    assert lines['harmony_channel_parse_errors_total{kind="unknown_channel"}'] >= 1
-    assert lines['harmony_channel_parse_errors_total{kind="stray_text"}'] >= 1
-    assert lines["harmony_channel_unexpected_order_total"] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="unknown_channel"}'] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="stray_text"}'] >= 1
+    assert lines['gateway_harmony_channel_parse_errors_total{kind="no_header"}'] >= 1
+    assert lines["gateway_harmony_channel_unexpected_order_total"] >= 1

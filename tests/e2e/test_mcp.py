@@ -18,7 +18,7 @@ from tests.mcp.servers import (
     build_browser_server,
     build_docs_server,
     serve_mcp,
-    stdio_command,
+    write_tools_config,
 )
 from tests.support.responses_stream import validate_event_stream
 from tests.support.servers import (
@@ -55,22 +55,7 @@ async def browser(browser_calls) -> AsyncIterator[RunningMcp]:
 @pytest.fixture(scope="module")
 async def mcp_gateway(sim, browser, tmp_path_factory) -> AsyncIterator[RunningGateway]:
     """Allows 127.0.0.1; configures `local` (stdio, also backing python) and `web` (HTTP, backing browser)."""
-    command, args = stdio_command()
-    config = tmp_path_factory.mktemp("mcp") / "mcp.yaml"
-    config.write_text(
-        "servers:\n"
-        "  local:\n"
-        "    transport: stdio\n"
-        f"    command: {command}\n"
-        f"    args: [{args[0]}]\n"
-        "    require_approval: never\n"
-        "  web:\n"
-        "    transport: streamable_http\n"
-        f"    url: {browser.url}\n"
-        "builtins:\n"
-        "  browser: web\n"
-        "  python: {server: local, tool: run_python}\n"
-    )
+    config = write_tools_config(tmp_path_factory.mktemp("mcp"), browser.url)
     settings = test_settings(
         worker_urls=(sim.url,),
         mcp_allow_hosts=("127.0.0.1",),
@@ -527,7 +512,7 @@ async def test_tool_metrics_recorded(mcp_gateway, mc, docs) -> None:
     async with httpx.AsyncClient() as http:
         text = (await http.get(mcp_gateway.url + "/metrics")).text
     assert 'gateway_mcp_tool_calls_total{outcome="success",server="docs",tool="lookup_user"}' in text
-    assert "harmony_mcp_iterations_bucket" in text
+    assert "gateway_mcp_iterations_bucket" in text
     assert "gateway_mcp_tool_duration_seconds_count" in text
 
 

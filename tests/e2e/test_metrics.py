@@ -51,10 +51,10 @@ async def test_metrics_move_with_traffic() -> None:
     # The streamed request asked for no usage; its completion tokens are counted anyway.
     assert value(after, "gateway_completion_tokens_total", model=MODEL) > 4 * 10
     assert value(after, "gateway_retries_total", model=MODEL) == 1
-    assert value(after, "harmony_requests_total") == 4
-    assert value(after, "harmony_parsing_errors_total") == 0
-    assert value(after, "harmony_channel_messages_total", channel="analysis") == 4
-    assert value(after, "harmony_channel_messages_total", channel="final") == 4
+    assert value(after, "gateway_harmony_requests_total") == 4
+    assert value(after, "gateway_harmony_parsing_errors_total") == 0
+    assert value(after, "gateway_harmony_channel_messages_total", channel="analysis") == 4
+    assert value(after, "gateway_harmony_channel_messages_total", channel="final") == 4
     for sim in engines:
         wid = next(k for k in after if k[0] == "gateway_worker_healthy" and ("url", sim.url) in k[1])
         labels = dict(wid[1])
@@ -108,7 +108,7 @@ async def test_harmony_parsing_errors_are_counted() -> None:
             r = await chat(http, "[[preamble]] hello", stream=True)
             assert r.status_code == 200
             samples = await scrape(http)
-    assert value(samples, "harmony_parsing_errors_total") == 1
-    assert value(samples, "harmony_requests_total") == 2
-    assert value(samples, "harmony_channel_messages_total", channel="commentary") == 1
+    assert value(samples, "gateway_harmony_parsing_errors_total") == 1
+    assert value(samples, "gateway_harmony_requests_total") == 2
+    assert value(samples, "gateway_harmony_channel_messages_total", channel="commentary") == 1
     assert value(samples, "gateway_requests_total", route="chat", model=MODEL, status="502") == 1

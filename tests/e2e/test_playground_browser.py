@@ -194,6 +194,44 @@ async def test_a_wrong_key_is_a_readable_401(page: Page, keyed_gateway: RunningG
     assert stored == "not-the-key"
 
 
+async def test_without_a_key_the_page_asks_for_one_and_send_says_why(
+    page: Page, keyed_gateway: RunningGateway
+) -> None:
+    """A gateway with keys and a page without one (or with a wrong one): the page says a key is needed
+    and offers the field, Send says the same (401) and moves to the field, and once the key is in, the
+    message typed before is sent. The page asks for nothing that is not there (no 404, favicon included)."""
+    missing: list[str] = []
+    page.on("response", lambda r: missing.append(r.url) if r.status == 404 else None)
+    await page.goto(keyed_gateway.url + "/")
+    alert = page.get_by_role("alert")
+    key = page.get_by_label("API key")
+    await expect(key).to_be_visible()
+    await expect(alert).to_contain_text("401: The gateway needs an API key")
+    message = page.get_by_role("textbox", name="Message")
+    await message.fill("Hello there")
+    send = page.get_by_role("button", name="Send", exact=True)
+    await send.click()
+    await expect(alert).to_contain_text("401: The gateway needs an API key")
+    await expect(alert).not_to_contain_text("No model")
+    await expect(key).to_be_focused()
+    await expect(message).to_have_value("Hello there")  # kept until it can be sent
+    await key.fill("not-the-key")
+    await key.press("Enter")
+    await expect(alert).to_contain_text("401: The gateway refused this API key")
+    await send.click()
+    await expect(alert).to_contain_text("401: The gateway refused this API key")
+    await expect(key).to_be_focused()
+    await key.fill(KEY)
+    await key.press("Enter")
+    await expect(page.get_by_label("Model")).to_have_value(MODEL)
+    await expect(alert).to_be_hidden()
+    await send.click()
+    await expect(region(page, "Answer")).to_contain_text(
+        'You said: "Hello there". This is a simulated answer.', timeout=20_000
+    )
+    assert missing == []
+
+
 async def test_show_prompt_token_ids_are_openai_harmonys_rendering(
     page: Page, open_gateway: RunningGateway
 ) -> None:

@@ -166,7 +166,7 @@ async def test_budget_hits_are_counted_in_metrics(
 
     def hits(text: str) -> float:
         for family in text_string_to_metric_families(text):
-            if family.name == "harmony_reasoning_budget_exceeded":
+            if family.name == "gateway_harmony_reasoning_budget_exceeded":
                 return sum(s.value for s in family.samples if s.labels.get("route") == "chat")
         return 0.0
 

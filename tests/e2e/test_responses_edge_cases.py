@@ -35,7 +35,7 @@ def _prompt(sim: RunningSim) -> str:
 
 
 def _harmony_requests(gw: RunningGateway) -> float:
-    return gw.state.metrics.registry.get_sample_value("harmony_requests_total") or 0.0
+    return gw.state.metrics.registry.get_sample_value("gateway_harmony_requests_total") or 0.0
 
 
 # -- metrics -------------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ async def test_responses_feed_the_harmony_counters(
 ) -> None:
     registry = gateway.state.metrics.registry
     analysis_before = (
-        registry.get_sample_value("harmony_channel_messages_total", {"channel": "analysis"}) or 0
+        registry.get_sample_value("gateway_harmony_channel_messages_total", {"channel": "analysis"}) or 0
     )
     start = _harmony_requests(gateway)
     await client.responses.create(model=MODEL, input="count me")
@@ -55,7 +55,7 @@ async def test_responses_feed_the_harmony_counters(
     bg = await client.responses.create(model=MODEL, input="count me later", background=True)
     await wait_until(lambda: _harmony_requests(gateway) == start + 3, timeout=10)
     assert (await client.responses.retrieve(bg.id)).status == "completed"
-    analysis = registry.get_sample_value("harmony_channel_messages_total", {"channel": "analysis"})
+    analysis = registry.get_sample_value("gateway_harmony_channel_messages_total", {"channel": "analysis"})
     assert analysis == analysis_before + 3
 
 

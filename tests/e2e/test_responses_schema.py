@@ -19,7 +19,7 @@ import pytest
 from harmony_gateway.sim import RunningSim, SimConfig, start_sim_engine
 from harmony_gateway.storage.base import StoredResponse
 from tests.conftest import MODEL
-from tests.mcp.servers import RunningMcp, build_browser_server, serve_mcp, stdio_command
+from tests.mcp.servers import RunningMcp, build_browser_server, serve_mcp, write_tools_config
 from tests.support.published_schemas import (
     assert_valid,
     assert_valid_event,
@@ -392,22 +392,7 @@ async def browser() -> AsyncIterator[RunningMcp]:
 async def tools_gateway(
     sim: RunningSim, browser: RunningMcp, tmp_path_factory
 ) -> AsyncIterator[RunningGateway]:
-    command, args = stdio_command()
-    config = tmp_path_factory.mktemp("mcp") / "mcp.yaml"
-    config.write_text(
-        "servers:\n"
-        "  local:\n"
-        "    transport: stdio\n"
-        f"    command: {command}\n"
-        f"    args: [{args[0]}]\n"
-        "    require_approval: never\n"
-        "  web:\n"
-        "    transport: streamable_http\n"
-        f"    url: {browser.url}\n"
-        "builtins:\n"
-        "  browser: web\n"
-        "  python: {server: local, tool: run_python}\n"
-    )
+    config = write_tools_config(tmp_path_factory.mktemp("mcp"), browser.url)
     settings = test_settings(worker_urls=(sim.url,), mcp_allow_hosts=("127.0.0.1",), mcp_config=str(config))
     async with running_gateway(settings) as gw:
         yield gw

@@ -182,6 +182,13 @@ async def test_registered_worker_is_routed_to_by_both_processes_then_deleted_eve
         per_process = served_by_process(metrics_dir, OTHER_MODEL, "200")
         assert len(per_process) == 2 and all(v > 0 for v in per_process.values())
         assert scraped == sum(per_process.values()) == len(extra.requests)
+        # Each live process's own process_* values, labelled with its pid.
+        resident = {
+            line.split('pid="', 1)[1].split('"', 1)[0]
+            for line in text.splitlines()
+            if line.startswith("process_resident_memory_bytes{")
+        }
+        assert resident == {str(pid) for pid in per_process}
         # Worker gauges are merged too: one healthy series for the worker and, once every process has
         # refreshed its gauges (each does about once a second), nothing left in flight.
         want = ["gateway_worker_healthy 1.0", "gateway_worker_in_flight 0.0"]

@@ -71,6 +71,7 @@ def test_cli_accepts_auto_and_numbers_only() -> None:
     import pytest
 
     from harmony_gateway.cli import build_parser, settings_from_args
+    from harmony_gateway.cli.checks import StartupError
 
     def parse(value: str) -> int | None:
         args = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1", "--stream-interval", value])
@@ -79,7 +80,8 @@ def test_cli_accepts_auto_and_numbers_only() -> None:
     assert parse("auto") == 0 and parse("4") == 4 and parse("engine") is None
     default = build_parser().parse_args(["serve", "--worker-url", "grpc://h:1"])
     assert settings_from_args(default).stream_interval == 0
-    with pytest.raises(SystemExit):
+    # A bad value is a start-up error: `serve` prints it as one line and exits 2 (tests/test_cli_startup.py).
+    with pytest.raises(StartupError, match="--stream-interval 0"):
         parse("0")
 
 

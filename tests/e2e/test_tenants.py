@@ -38,6 +38,8 @@ ASK = f"Use get_weather for {SECRET}"
 ROUTES: dict[tuple[str, str], str] = {
     ("post", "/v1/chat/completions"): "body",
     ("post", "/v1/responses"): "body",
+    ("post", "/v1/responses/compact"): "body",
+    ("post", "/v1/responses/input_tokens"): "body",
     ("post", "/v1/messages"): "body",
     ("post", "/v1/messages/count_tokens"): "body",
     ("post", "/v1/harmony/render"): "body",
@@ -88,6 +90,7 @@ class TenantA:
     chat_call_id: str
     thinking: dict[str, Any]
     tool_use: dict[str, Any]
+    compaction_item: dict[str, Any]
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +156,12 @@ async def tenant_a(tenants: RunningGateway) -> TenantA:
                 },
             )
         )
+        compacted = await _ok(
+            await a.post(
+                "/v1/responses/compact",
+                json={"model": MODEL, "previous_response_id": stored["id"], "input": "Summarise."},
+            )
+        )
     by_type = {item["type"]: item for item in encrypted["output"]}
     blocks = {block["type"]: block for block in message["content"]}
     return TenantA(
@@ -164,6 +173,7 @@ async def tenant_a(tenants: RunningGateway) -> TenantA:
         chat_call_id=chat["choices"][0]["message"]["tool_calls"][0]["id"],
         thinking=blocks["thinking"],
         tool_use=blocks["tool_use"],
+        compaction_item=compacted["output"][-1],
     )
 
 
@@ -277,6 +287,42 @@ def _replays(a: TenantA) -> list[tuple[str, str, dict[str, Any], set[int]]]:
             "/v1/harmony/render",
             {"api": "responses", "request": {**responses, "conversation": a.conversation_id, "input": "hi"}},
             {404},
+        ),
+        (
+            "compact previous_response_id",
+            "/v1/responses/compact",
+            {"model": MODEL, "previous_response_id": a.response_id},
+            {400, 404},
+        ),
+        (
+            "input_tokens previous_response_id",
+            "/v1/responses/input_tokens",
+            {**responses, "previous_response_id": a.response_id, "input": "hi"},
+            {400, 404},
+        ),
+        (
+            "input_tokens conversation",
+            "/v1/responses/input_tokens",
+            {**responses, "conversation": a.conversation_id, "input": "hi"},
+            {404},
+        ),
+        (
+            "compaction encrypted_content",
+            "/v1/responses",
+            {**responses, "store": False, "input": [a.compaction_item, {"role": "user", "content": "hi"}]},
+            {400},
+        ),
+        (
+            "compaction encrypted_content in a token count",
+            "/v1/responses/input_tokens",
+            {**responses, "input": [a.compaction_item]},
+            {400},
+        ),
+        (
+            "compaction encrypted_content compacted again",
+            "/v1/responses/compact",
+            {"model": MODEL, "input": [a.compaction_item, {"role": "user", "content": "hi"}]},
+            {400},
         ),
         (
             "encrypted_content",

@@ -96,6 +96,30 @@ def test_refusal_without_message_token(prefix: str, terminator: str) -> None:
     assert "".join(t for e, m, t in events if e == tp.DELTA and m.kind == tp.ANSWER) == answer[0].text
 
 
+@pytest.mark.parametrize(
+    "output",
+    [
+        "I'm sorry, but I can't help with that.<|end|>",  # no header at all
+        "I'm sorry, but I can't help with that.",  # ... and no end token either
+        ANALYSIS + "<|start|>assistant I'm sorry, but I can't help with that.<|end|>",  # a bare refusal
+        ANALYSIS + "<|start|>assistant<|message|>I'm sorry, but I can't help with that.<|end|>",
+    ],
+)
+def test_answer_text_without_a_header_is_kept_and_counted(output: str) -> None:
+    """Text on no channel is still the answer (a refusal, most often), but it is not valid Harmony: it
+    is a recovery like the other malformed shapes, so the inspector and the metrics report it."""
+    p, _ = parse(ids(output))
+    assert [m.text for m in p.messages if m.kind == tp.ANSWER] == ["I'm sorry, but I can't help with that."]
+    assert p.recoveries == {tp.RECOVERED_NO_HEADER: 1}
+    assert p.parse_error is not None and not p.halted
+
+
+def test_a_refusal_with_its_channel_is_no_recovery() -> None:
+    p, _ = parse(ids(ANALYSIS + "<|start|>assistant<|channel|>final I'm sorry.<|end|>"))
+    assert kinds(p) == [(tp.REASONING, "Thinking it over."), (tp.ANSWER, "I'm sorry.")]
+    assert p.recoveries == {}
+
+
 def test_trailing_return_after_a_completed_final() -> None:
     """Trap 3 (vllm#50690): `<|end|><|return|>` is ignored, not a failure."""
     p, _ = parse(ids(ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Done.<|end|><|return|>"))

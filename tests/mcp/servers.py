@@ -22,6 +22,28 @@ def stdio_command() -> tuple[str, list[str]]:
     return sys.executable, [str(STDIO_SERVER)]
 
 
+def write_tools_config(folder: Path, browser_url: str) -> Path:
+    """An MCP config in `folder`: `local` (stdio, also backing the python builtin) and `web` (HTTP at
+    `browser_url`, backing the browser builtin)."""
+    command, args = stdio_command()
+    config = folder / "mcp.yaml"
+    config.write_text(
+        "servers:\n"
+        "  local:\n"
+        "    transport: stdio\n"
+        f"    command: {command}\n"
+        f"    args: [{args[0]}]\n"
+        "    require_approval: never\n"
+        "  web:\n"
+        "    transport: streamable_http\n"
+        f"    url: {browser_url}\n"
+        "builtins:\n"
+        "  browser: web\n"
+        "  python: {server: local, tool: run_python}\n"
+    )
+    return config
+
+
 def build_docs_server(calls: list[tuple[str, dict[str, Any]]]) -> MCPServer:
     """The `docs` server: a few tools with distinct behaviours; every call is recorded in `calls`."""
     server = MCPServer("docs")

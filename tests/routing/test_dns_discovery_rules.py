@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from harmony_gateway.engines.registry import GRPC_ENGINES, create_client
 from harmony_gateway.errors import Conflict
-from harmony_gateway.netguard import IPAddress
+from harmony_gateway.netguard import IPAddress, unusable_address
 from harmony_gateway.routing.dns_discovery import (
     DnsDiscovery,
     DnsMetrics,
@@ -26,7 +26,6 @@ from harmony_gateway.routing.dns_discovery import (
     ServiceRecord,
     parse_dns_target,
     parse_nameserver,
-    unusable_address,
     worker_id,
     worker_url,
 )
@@ -250,6 +249,8 @@ def test_worker_urls_and_ids() -> None:
         ("255.255.255.255", True),
         ("fd00::3", False),
         ("8.8.8.8", False),
+        ("fd00:ec2::254", True),
+        ("100.100.100.200", True),
     ],
 )
 def test_addresses_that_can_never_be_engines(address: str, refused: bool) -> None:

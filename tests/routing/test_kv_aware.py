@@ -92,6 +92,20 @@ def test_heavy_queued_prefill_on_b_spills_to_a() -> None:
     assert KvAwarePolicy().select([a, b], req(prompt)) is a
 
 
+def test_the_queue_weight_sets_how_much_a_queue_outweighs_a_held_prefix() -> None:
+    """A session's home worker holds most of its prompt but has prefill queued; an idle worker holds
+    none. At queue weight 1 the queue outweighs the held prefix and the turn leaves its cache; at a
+    lower weight it waits at home."""
+    prompt = ids(3000)
+    home, idle = indexed("home", BlockIndex().store(prompt[:2800])), indexed("idle")
+    pushed(home, load(running=1, waiting=1, uncached=3000))
+    pushed(idle, load(running=1))
+    assert KvAwarePolicy(queue_weight=1.0).select([home, idle], req(prompt)) is idle
+    assert KvAwarePolicy(queue_weight=0.25).select([home, idle], req(prompt)) is home
+    (score,) = KvAwarePolicy(queue_weight=0.25).scores([home], req(prompt))
+    assert score.cost == (3000 - 2800 + 0.25 * 3000) + 1024.0 * 2
+
+
 def test_many_running_requests_on_b_spill_to_a() -> None:
     prompt = ids(400)
     a, b = indexed("a"), indexed("b", BlockIndex().store(prompt))
@@ -187,6 +201,23 @@ def test_what_was_sent_since_the_last_record_counts() -> None:
     pushed(first, load())  # a new record replaces the estimate
     score = {s.worker.id: s for s in policy.scores([a, b], req(ids(10)))}[first.id]
     assert (score.active, score.queued_tokens) == (0, 0)
+
+
+def test_a_request_the_record_counts_stops_counting_when_it_finishes() -> None:
+    """A record comes a scheduler tick after a change: the request it shows running that has finished
+    since no longer weighs on its worker, so a sequential agent's next turn finds its cache idle."""
+    a, b = indexed("a"), indexed("b")
+    pushed(a, load(running=2))
+    policy = KvAwarePolicy()
+    active = lambda: {s.worker.id: s for s in policy.scores([a, b], req(ids(10)))}["a"].active  # noqa: E731
+    assert active() == 2
+    policy.on_request_done(a, None)
+    assert active() == 1
+    policy.on_request_done(a, None)
+    policy.on_request_done(a, None)  # more than it counted: never below nothing
+    assert active() == 0
+    pushed(a, load(running=1))  # the next record is the truth again
+    assert active() == 1
 
 
 def test_an_incomplete_index_falls_back_to_the_record() -> None:

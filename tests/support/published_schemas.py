@@ -116,6 +116,10 @@ def _load(path: Path) -> dict[str, Any]:
 #: Mistakes of OpenAI's document, corrected here (component, required field it does not define): the SDKs
 #: generated from the same source have no such field.
 OPENAI_ERRATA = (("MCPApprovalResponseResource", "request_id"),)
+#: Unions OpenAI's document writes as `oneOf` with a `discriminator`, which picks the branch by `type`.
+#: Plain JSON Schema has no discriminator, and a message item with an `id` (as a compaction returns it)
+#: matches two branches (`EasyInputMessage` and the `Item` message), so these are read as `anyOf`.
+OPENAI_DISCRIMINATED = ("InputItem",)
 
 
 @cache
@@ -125,6 +129,10 @@ def openai() -> Document:
         schema = doc.schemas[name]
         assert required not in schema["properties"], f"{name}.{required} is defined now: drop the erratum"
         schema["required"] = [field for field in schema["required"] if field != required]
+    for name in OPENAI_DISCRIMINATED:
+        schema = doc.schemas[name]
+        assert "discriminator" in schema, f"{name} has no discriminator now: drop it from the list"
+        schema["anyOf"] = schema.pop("oneOf")
     return doc
 
 
@@ -196,6 +204,40 @@ def event_problems(event: Any) -> list[str]:
         as_theirs = {**event, "type": renamed} if renamed else event
         out.extend(f"Open Responses {p}" for p in open_responses().problems(theirs, as_theirs))
     return out
+
+
+@cache
+def openai_socket_events() -> dict[str, str]:
+    """The `ResponsesServerEvent` variant of each WebSocket server event type, as a JSON pointer below
+    the document's components (`ResponsesServerEvent/anyOf/N`): each variant is the SSE event plus its
+    `stream_id`, or the socket's own `ResponseWsError`."""
+    doc = openai()
+    out: dict[str, str] = {}
+    for n, variant in enumerate(doc.schemas["ResponsesServerEvent"]["anyOf"]):
+        ref = variant["$ref"] if "$ref" in variant else variant["allOf"][0]["$ref"]
+        for value in _type_values(doc.schemas, ref[len(PREFIX) :]):
+            out.setdefault(value, f"ResponsesServerEvent/anyOf/{n}")
+    return out
+
+
+def socket_event_problems(event: Any) -> list[str]:
+    """How one WebSocket server event breaks the published schemas ([] when it is valid): OpenAI's
+    `ResponsesServerEvent`, and each event of a response also as the stream event it is (both schemas,
+    `event_problems`) without its `stream_id`."""
+    kind = event.get("type") if isinstance(event, dict) else None
+    pointer = openai_socket_events().get(kind) if isinstance(kind, str) else None
+    if pointer is None:
+        return [f"event type {kind!r} is not a ResponsesServerEvent of OpenAI's schema"]
+    out = openai().problems(pointer, event)
+    if kind != "error":
+        out.extend(event_problems({k: v for k, v in event.items() if k != "stream_id"}))
+    return out
+
+
+def assert_valid_socket_events(events: list[dict[str, Any]]) -> None:
+    """Every event a WebSocket sent, each reported with its position."""
+    problems = [f"#{n} {p}" for n, event in enumerate(events) for p in socket_event_problems(event)]
+    assert not problems, "the socket's events break the published schemas:\n" + "\n".join(problems)
 
 
 def assert_valid_response(body: Any) -> None:

@@ -10,6 +10,7 @@ Every response carries `x-request-id` (and `request-id` on Anthropic's wire).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
@@ -29,11 +30,12 @@ from ..errors import (
     InvalidRequest,
     is_failure,
 )
-from ..observability.logging import log_failure
+from ..observability.logging import CLIENT_CLOSED, log_failure
 from ..pipeline.context import RequestContext
 from ..traffic.middleware import REQUEST_CONTEXT
 from ..traffic.routes import RouteMap
 from ..wire import Wire, error_headers
+from .accounting import RouteNames, account_request
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +129,9 @@ def install_error_handlers(app: FastAPI, routes: RouteMap) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: ClientDisconnect) -> Response:
-        # The client left before its body arrived: nothing to answer and nothing broken.
-        log.info(
-            "client left during the request body of %s %s (request %s)",
-            request.method,
-            request.url.path,
-            request_id_of(request),
-        )
-        return Response(status_code=499)
+        # The client left before its body arrived: nothing to answer and nothing broken. Its request
+        # line says so (status 499, api/accounting.py).
+        return Response(status_code=CLIENT_CLOSED)
 
 
 class UnexpectedErrorMiddleware(HttpMiddleware):
@@ -143,20 +140,24 @@ class UnexpectedErrorMiddleware(HttpMiddleware):
     so passes Starlette's server-error middleware) becomes one log line and, if the response has not
     started, a 500 with the request id. Nothing is re-raised: the server would log the traceback again.
     A response already under way is ended where it stands (its stream has no terminal frame: the
-    stages that stream write that themselves, see pipeline/drive.py)."""
+    stages that stream write that themselves, see pipeline/drive.py). Every request is then accounted
+    with the status it was answered with (api/accounting.py)."""
 
-    def __init__(self, app: ASGIApp, routes: RouteMap) -> None:
+    def __init__(self, app: ASGIApp, routes: RouteMap, names: RouteNames | None = None) -> None:
         super().__init__(app)
         self.routes = routes
+        self.names = names or RouteNames(())
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = ended = False
+        started = time.perf_counter()
+        status: int | None = None
+        ended = False
 
         # Hands on `send`'s own awaitable: no frame of its own for every streamed piece.
         def tracking_send(message: Message) -> Awaitable[None]:
-            nonlocal started, ended
+            nonlocal status, ended
             if message["type"] == "http.response.start":
-                started = True
+                status = message["status"]
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 ended = True
             return send(message)
@@ -168,7 +169,7 @@ class UnexpectedErrorMiddleware(HttpMiddleware):
                 raise
             request_id = str(scope.get("state", {}).get("request_id") or "")
             log_failure(log, f"request {request_id} ({scope['method']} {scope['path']})", exc)
-            if not started:
+            if status is None:
                 ctx = scope.get("state", {}).get(REQUEST_CONTEXT)
                 wire = (
                     ctx.wire
@@ -186,3 +187,5 @@ class UnexpectedErrorMiddleware(HttpMiddleware):
                 await response(scope, receive, send)
             elif not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            account_request(scope, status, started, self.routes, self.names)

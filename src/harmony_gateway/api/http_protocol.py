@@ -135,12 +135,23 @@ def server_options(settings: Settings, *, processes: int = 1) -> dict[str, Any]:
         )
     return {
         "http": http,
-        "ws": "none",  # no WebSocket routes: uvicorn then never imports a WebSocket library
+        # The Responses API's WebSocket mode (api/responses_socket.py) on websockets' sans-I/O protocol,
+        # the one uvicorn implementation that is not deprecated; an HTTP request pays nothing for it
+        # (httptools flags an upgrade itself). A message over the limit closes the socket (1009) from its
+        # frame header, before its payload is buffered. No per-message compression: the events are
+        # small and many, and deflating each one costs the gateway's CPU for little on the wire (the
+        # official SDK does not ask for it either).
+        "ws": "websockets-sansio",
+        "ws_max_size": settings.ws_max_message_bytes,
+        "ws_per_message_deflate": False,
         "timeout_keep_alive": settings.keep_alive_timeout,
         "limit_concurrency": settings.max_connections,
         # Forwarded headers only from the configured proxies; uvicorn would trust 127.0.0.1 by default.
         "proxy_headers": bool(settings.forwarded_allow_ips),
         "forwarded_allow_ips": list(settings.forwarded_allow_ips) or None,
+        # HTTPS when both are set (cli/checks.py refuses one without the other).
+        "ssl_certfile": settings.ssl_certfile,
+        "ssl_keyfile": settings.ssl_keyfile,
     }
 
 

@@ -355,6 +355,11 @@ def _parse_tokens(
                 "detail": "tokens after the output stopped being parseable",
             }
         )
+    # The parser's own repairs by kind (`token_parser.RECOVERED_*`: a broken header, stray text, answer
+    # text with no header...), as the metrics count them.
+    recoveries += [
+        {"kind": kind, "count": count, "fatal": False} for kind, count in parser.recoveries.items()
+    ]
     if parser.parse_error and not any(r["kind"] == "not_harmony" for r in recoveries):
         recoveries.append({"kind": "parse_error", "detail": parser.parse_error, "fatal": False})
     return {

@@ -1,6 +1,7 @@
 """The prompt inspector (`POST /v1/harmony/render`, `POST /v1/harmony/parse`) and the playground page
-(`GET /`, `GET /playground`, its files under `/playground/static/`), served from the package's `static/`
-folder: plain HTML, CSS and JavaScript, no CDN and no build step, so it works offline.
+(`GET /`, `GET /playground`, its files under `/playground/static/`, and `/favicon.ico`, which browsers ask
+every origin for), served from the package's `static/` folder: plain HTML, CSS and JavaScript, no CDN and
+no build step, so it works offline.
 
 The inspector routes authenticate and read their bodies like every generating route (`new_context`,
 `json_body`), and run the prepare stage as the owner of the key, so a stored response of another key is
@@ -51,6 +52,15 @@ def _static(name: str) -> bytes:
 @router.get("/playground")
 async def playground() -> Response:
     return Response(_static("playground.html"), media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    return Response(
+        _static("favicon.ico"),
+        media_type="image/x-icon",
+        headers={"cache-control": "public, max-age=86400", "x-content-type-options": "nosniff"},
+    )
 
 
 @router.get("/playground/static/{name}")

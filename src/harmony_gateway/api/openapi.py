@@ -23,6 +23,7 @@ from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
+    InputTokensRequest,
 )
 from ..surfaces.table import SURFACES
 from .admin import require_admin
@@ -67,13 +68,14 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("post", "/v1/conversations/{conversation_id}"): ConversationUpdate,
     ("post", "/v1/conversations/{conversation_id}/items"): ConversationItemsCreate,
     ("post", "/v1/messages/count_tokens"): CountTokensRequest,
+    ("post", "/v1/responses/input_tokens"): InputTokensRequest,
     ("post", "/v1/harmony/render"): RenderRequest,
     ("post", "/v1/harmony/parse"): ParseRequest,
     ("post", "/workers"): WorkerRegistration,
 }
 
 #: Routes answering with a stream when asked (`stream: true`).
-STREAMING = {*(surface.path for surface in SURFACES), "/v1/responses/{response_id}"}
+STREAMING = {*(surface.path for surface in SURFACES if surface.streams), "/v1/responses/{response_id}"}
 #: Success statuses other than 200, and non-JSON success bodies.
 SUCCESS_STATUS = {("post", "/workers"): "201"}
 SUCCESS_MEDIA = {

@@ -1,4 +1,5 @@
-"""Responses and Conversations routes: thin handlers over the Responses service (responses/) and the store."""
+"""Responses and Conversations routes: thin handlers over the Responses service (responses/) and the store.
+`POST /v1/responses` and `/v1/responses/compact` are rows of the surface table (surfaces/table.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from ..surfaces.responses.events import stream_stored_events
 from ..surfaces.responses.mapper import new_id, normalize_items
 from ..surfaces.responses.objects import complete_response
 from ..surfaces.responses.service import cancel_response
+from ..surfaces.responses.service.input_tokens import count_input_tokens
 from ..surfaces.responses.types import (
     ConversationCreate,
     ConversationItemsCreate,
     ConversationUpdate,
+    InputTokensRequest,
 )
 from ..wire import RESPONSES
 from .routes import gateway, json_body, json_response, new_context, owner_of, sse_response
@@ -101,6 +104,15 @@ def _starting_after(request: Request) -> int:
     if value < -1:
         raise InvalidRequest("starting_after must be -1 or more", param="starting_after")
     return value
+
+
+@router.post("/v1/responses/input_tokens")
+async def input_tokens(request: Request) -> Response:
+    """The prompt tokens a `POST /v1/responses` with this body would send (OpenAI's token counts)."""
+    state = gateway(request)
+    ctx = new_context(request, "responses_input_tokens", state, wire=RESPONSES)
+    body = InputTokensRequest.model_validate(await json_body(request))
+    return json_response(await count_input_tokens(state, body, ctx), ctx)
 
 
 @router.get("/v1/responses/{response_id}")

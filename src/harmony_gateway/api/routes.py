@@ -11,10 +11,12 @@ import anyio
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, is_failure
+from ..errors import AuthenticationFailed, InvalidRequest, NoHealthyWorker, Overloaded, is_failure
 from ..observability import tracing
+from ..observability.logging import CLIENT_CLOSED, requested_model
 from ..observability.metrics import finish_request
 from ..pipeline.context import CLEANUP_TIMEOUT, GatewayState, RequestContext, new_request_id, run_cleanups
 from ..pipeline.drive import answer
@@ -30,6 +32,8 @@ router = APIRouter()
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+#: What a stream cut from outside (a drain's timeout, a shutdown) is recorded as.
+SHUTTING_DOWN = Overloaded("the gateway shut down before this response finished", code="shutting_down")
 #: Deeper bodies are refused: the gateway stores and echoes what it was sent, and orjson writes at most
 #: 254 levels (openai-harmony gives up on a tool schema at about 120).
 MAX_JSON_DEPTH = 128
@@ -46,7 +50,7 @@ def principal_of(state: GatewayState, request: Request, *, admin: bool = False) 
     credential (api/admin.py), which stands in for a missing tenant key as the `ADMIN` principal."""
     principal = request.scope.get("state", {}).get("principal")
     if principal is None:
-        principal = authenticate(state.settings, request.headers)
+        principal = authenticate(state.keys, request.headers)
         if principal is None:
             if not admin:
                 raise AuthenticationFailed("Incorrect or missing API key: send 'Authorization: Bearer <key>'")
@@ -211,10 +215,16 @@ class EventStreamResponse(Response):
                     pass
                 listening = False
                 writer.cancel()  # the client left
+                if self._ctx.status < 400:  # a failure it left after stays the request's status
+                    self._ctx.status = CLIENT_CLOSED
             except asyncio.CancelledError:
                 listening = False
                 if not writer_ended or listener.uncancel() > 0:
-                    raise  # cancelled from outside (shutdown, drain): the writer stops too
+                    # Cancelled from outside (shutdown, drain): the writer stops too, and the request
+                    # ends as its wire answers a gateway shutting down.
+                    if self._ctx.status < 400:
+                        self._ctx.status = self._ctx.wire.error_response(SHUTTING_DOWN)[0]
+                    raise
             if not writer.done():
                 await asyncio.wait((writer,))
             if not writer.cancelled():
@@ -242,9 +252,12 @@ async def run_logged(ctx: RequestContext, coro: Any) -> Any:
         return await coro
     except BaseException as exc:
         if is_failure(exc):
-            if isinstance(exc, ValidationError):
-                exc = validation_error_to_invalid(exc)
-            ctx.status = ctx.wire.error_response(exc)[0]
+            if isinstance(exc, ClientDisconnect):
+                ctx.status = CLIENT_CLOSED  # left while sending its body: answered with nothing
+            else:
+                if isinstance(exc, ValidationError):
+                    exc = validation_error_to_invalid(exc)
+                ctx.status = ctx.wire.error_response(exc)[0]
             finish_request(ctx)
         raise
 
@@ -267,6 +280,9 @@ async def _planned_answer(
     request: Request, state: GatewayState, surface: Surface, ctx: RequestContext
 ) -> Any:
     body = await json_body(request)
+    asked = ctx.requested_model = requested_model(body)
+    if asked in state.fleet.groups:
+        ctx.model = asked  # a served model: its name labels the request's metrics, a failure's too
     if state.settings.log_prompts:
         for field in surface.prompt_fields:
             if body.get(field) is not None:

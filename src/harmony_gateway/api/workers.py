@@ -5,7 +5,8 @@ traffic as soon as the 201 arrives if it was healthy; an unreachable worker is s
 false) and the health checker keeps probing it. Under `serve --workers N` (N > 1) the processes share
 the registered workers through storage (routing/shared_registry.py): a change answered by one process
 reaches the others within about a second. The worker endpoints are the admin plane (api/admin.py): they
-need the admin credential, and a registered URL must pass the worker host policy (routing/url_policy.py).
+need the admin credential, and a registered URL must pass the worker host policy (routing/url_policy.py:
+never a link-local or metadata address; only listed hosts under `--worker-allow-hosts`).
 `/metrics` is open, for Prometheus, unless `--protect-metrics` puts it behind the admin credential too.
 """
 
@@ -21,7 +22,7 @@ from ..netguard import HostAllowList
 from ..routing.shared_registry import publish_worker, remove_worker, sync_workers
 from ..routing.url_policy import check_worker_url
 from ..routing.workers import WorkerKind
-from .admin import on_admin_listener, require_admin
+from .admin import require_admin
 from .routes import gateway, json_body, json_response
 
 router = APIRouter()
@@ -53,7 +54,7 @@ async def create_worker(request: Request) -> Response:
     if not url:
         raise InvalidRequest("'url' is required, e.g. grpc://host:port", param="url")
     allow = HostAllowList(state.settings.worker_allow_hosts)
-    await check_worker_url(url, allow, admin_listener=on_admin_listener(request))
+    await check_worker_url(url, allow)
     kind_name = _field(body, "kind", WorkerKind.REGULAR.value)
     try:
         kind = WorkerKind(kind_name or "")  # null is an unknown kind too

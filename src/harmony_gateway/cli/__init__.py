@@ -1,5 +1,6 @@
 """Command line: `harmony-gateway serve | sim-engine | vocab | render`, one module per command, and
-`--version`. Every command has --help; serve's shows its options in groups, with their defaults."""
+`--version`. Every command has --help; serve's shows its options in groups, with their defaults, and
+takes each of them from the environment or a config file too (cli/config.py)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from typing import TYPE_CHECKING
 from .. import __version__
 from ..observability.logging import configure_logging
 from . import render, serve, sim_engine, vocab
+from .checks import StartupError
 from .common import DefaultsHelpFormatter
+from .config import CommandParser
 from .serve import SERVE_ARGV_ENV, invalid_setting, settings_from_args, visible_secret_warning
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
 __all__ = [
+    "StartupError",
     "app_from_env",
     "build_parser",
     "gateway_version",
@@ -44,15 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="harmony-gateway", description="OpenAI-compatible gateway for gpt-oss (Harmony) and other LLMs"
     )
     parser.add_argument("--version", action="version", version=f"harmony-gateway {gateway_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve.add_arguments(
-        sub.add_parser(
-            "serve",
-            help="run the gateway",
-            description="Run the HTTP gateway in front of engine workers.",
-            formatter_class=DefaultsHelpFormatter,
-        )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    serve_parser = sub.add_parser(
+        "serve", help="run the gateway", description=serve.DESCRIPTION, formatter_class=DefaultsHelpFormatter
     )
+    serve_parser.layered = True  # also from HARMONY_GATEWAY_<OPTION> and --config FILE
+    serve.add_arguments(serve_parser)
     sim_engine.add_arguments(
         sub.add_parser(
             "sim-engine",

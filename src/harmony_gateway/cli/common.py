@@ -53,11 +53,11 @@ def split_list(values: Sequence[str] | None) -> list[str]:
 
 
 def pairs(values: Sequence[str] | None, flag: str) -> dict[str, str]:
-    """`MODEL=VALUE` flags as a dict; exits naming `flag` for an entry without `=`."""
+    """`MODEL=VALUE` flags as a dict; raises ValueError naming `flag` for an entry without `=`."""
     out: dict[str, str] = {}
     for value in values or ():
         if "=" not in value:
-            raise SystemExit(f"{flag} expects MODEL=VALUE, got {value!r}")
+            raise ValueError(f"{flag} {value}: expects MODEL=VALUE")
         key, val = value.split("=", 1)
         out[key.strip()] = val.strip()
     return out

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from ..errors import GatewayError
 from ..observability.logging import configure_logging
 from ..settings import Settings
+from .config import client_key
 
 
 class RenderFailed(Exception):
@@ -79,7 +80,7 @@ async def _render_remotely(gateway: str, api_key: str | None, payload: Any) -> d
     # lazy: httpx (~20 MB) only for --gateway, so a serving gateway's process never loads it
     import httpx
 
-    key = api_key or os.environ.get("HARMONY_GATEWAY_API_KEY")
+    key = api_key or client_key(os.environ)
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
         async with httpx.AsyncClient(timeout=60) as client:

@@ -6,29 +6,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from ..engines.registry import GRPC_ENGINES
-from ..errors import InvalidRequest
 from ..observability.logging import configure_logging
-from ..pipeline.output_parsers.registry import validate_parser_names
-from ..routing.cache_aware import CacheAwarePolicy
-from ..routing.dns_discovery import parse_dns_target, parse_nameserver
-from ..routing.kv_aware import KvAwarePolicy
 from ..routing.kv_index import DEFAULT_MAX_BLOCKS
-from ..routing.registry import POLICIES
 from ..settings import Settings, Timeouts
 from ..traffic.keys import KeyPolicy, read_key_file
 from ..types.limits import DEFAULT_MAX_CONVERSATION_BYTES, DEFAULT_MAX_CONVERSATION_ITEMS
+from .checks import StartupError, file_problem, setting_problem
 from .common import ENGINE_PROTOCOLS, pairs, positive_int, run_until_interrupted, split_list
+from .config import AliasAction
+from .demo import demo_banner
+from .startup import bind_listener, check_resolver, check_storage, listen_url, started_lines
 
 if TYPE_CHECKING:
     import uvicorn
@@ -40,11 +37,38 @@ log = logging.getLogger("harmony_gateway")
 SERVE_ARGV_ENV = "HARMONY_GATEWAY_SERVE_ARGV"
 
 
+#: What `serve --help` says above the options.
+DESCRIPTION = (
+    "Run the HTTP gateway in front of engine workers. Every option can also be set in the environment "
+    "as HARMONY_GATEWAY_<OPTION> (--worker-url is HARMONY_GATEWAY_WORKER_URL; a list separated by "
+    "commas; a switch true or false) or in a YAML --config file (worker-url: [grpc://a:1, grpc://b:1]); "
+    "the command line wins over the environment, which wins over the file. See docs/configuration.md."
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """serve's options, in the groups `serve --help` shows them in."""
+    """serve's options, in the groups `serve --help` shows them in. The environment and the config file
+    know every option by its first long name (cli/config.py); later names are other programs'."""
     server = p.add_argument_group("server")
+    server.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="YAML file of serve options, one key per option (policy: cache_aware); the environment and "
+        "the command line take precedence (docs/configuration.md)",
+    )
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--ssl-certfile",
+        "--tls-cert-path",
+        default=None,
+        metavar="PEM",
+        help="serve HTTPS with this certificate chain (with --ssl-keyfile) (default: plain HTTP)",
+    )
+    server.add_argument(
+        "--ssl-keyfile", "--tls-key-path", default=None, metavar="PEM", help="the certificate's private key"
+    )
     server.add_argument(
         "--workers",
         type=int,
@@ -65,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_storage_arguments(p.add_argument_group("storage"))
     _add_limits_and_traffic_arguments(
         p.add_argument_group("limits and traffic", "See README, Limits and Traffic control.")
+    )
+    _add_websocket_arguments(
+        p.add_argument_group(
+            "WebSocket mode",
+            "The Responses API over one WebSocket per agent (ws://HOST:PORT/v1/responses): sequential turns, "
+            "continued from the socket's own cache. See README, WebSocket mode.",
+        )
     )
     _add_security_arguments(p.add_argument_group("security"))
     observability = p.add_argument_group("observability")
@@ -90,6 +121,14 @@ def _add_engine_and_model_arguments(g: argparse._ArgumentGroup) -> None:
         action="append",
         metavar="URL",
         help="engine worker: grpc://host:port, or http://host:port for an OpenAI-compatible server (repeatable)",
+    )
+    g.add_argument(
+        "--worker-urls",
+        action=AliasAction,
+        alias_of="--worker-url",
+        dest="worker_url",
+        metavar="URL",
+        help="several --worker-url at once, separated by spaces or commas (SMG's spelling)",
     )
     g.add_argument(
         "--prefill", action="append", metavar="URL", help="prefill worker for PD disaggregation (repeatable)"
@@ -124,7 +163,12 @@ def _add_engine_and_model_arguments(g: argparse._ArgumentGroup) -> None:
         help="seconds to wait for an engine's first output",
     )
     g.add_argument(
-        "--request-timeout", type=float, default=1800.0, help="seconds one engine request may take in total"
+        "--request-timeout",
+        "--request-timeout-secs",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="seconds one engine request may take in total",
     )
     g.add_argument(
         "--demo",
@@ -135,13 +179,22 @@ def _add_engine_and_model_arguments(g: argparse._ArgumentGroup) -> None:
         "--harmony-models",
         action="append",
         metavar="NAMES",
-        help="models to treat as Harmony (comma-separated; also HARMONY_MODELS)",
+        help="models to treat as Harmony (comma-separated; repeatable)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients use, whatever name the engines report (vLLM's option); every worker "
+        "must then serve the same model (default: the engines' names)",
     )
     g.add_argument(
         "--tokenizer",
+        "--tokenizer-path",
         action="append",
-        metavar="MODEL=DIR",
-        help="local tokenizer folder for a non-Harmony model",
+        metavar="[MODEL=]DIR",
+        help="local tokenizer folder for a non-Harmony model; a DIR without MODEL= serves every model "
+        "without one of its own (repeatable)",
     )
     g.add_argument(
         "--reasoning-parser",
@@ -297,6 +350,14 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
         "in its cost; 0 balances on load alone",
     )
     g.add_argument(
+        "--kv-queue-weight",
+        type=float,
+        default=1.0,
+        help="kv_aware: weight of the uncached prompt tokens already queued on a worker, against the "
+        "prefix it holds; below 1 a session's turn waits behind a queue rather than recompute its "
+        "context elsewhere",
+    )
+    g.add_argument(
         "--kv-decode-weight",
         type=float,
         default=1024.0,
@@ -364,12 +425,28 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--max-retries",
+        "--retry-max-retries",
         type=int,
         default=2,
         help="retries on another worker for requests that fail before the first token",
     )
-    g.add_argument("--health-interval", type=float, default=5.0, help="seconds between health checks")
-    g.add_argument("--health-timeout", type=float, default=2.0, help="health check timeout in seconds")
+    g.add_argument(
+        "--health-interval",
+        "--health-check-interval-secs",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between health checks; an unreachable worker is tried again after this, then after "
+        "twice as long each time, up to a minute",
+    )
+    g.add_argument(
+        "--health-timeout",
+        "--health-check-timeout-secs",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="health check timeout in seconds",
+    )
     g.add_argument(
         "--health-failure-threshold", type=int, default=3, help="failed checks before a worker is marked down"
     )
@@ -378,14 +455,17 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--breaker-failure-threshold",
+        "--cb-failure-threshold",
         type=int,
         default=5,
         help="consecutive request failures that open a worker's circuit breaker",
     )
     g.add_argument(
         "--breaker-cooldown",
+        "--cb-timeout-duration-secs",
         type=float,
         default=30.0,
+        metavar="S",
         help="seconds before an open breaker lets a trial request through",
     )
 
@@ -426,6 +506,7 @@ def _add_storage_arguments(g: argparse._ArgumentGroup) -> None:
 def _add_limits_and_traffic_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--max-body-bytes",
+        "--max-payload-size",
         type=int,
         default=8 * 1024 * 1024,
         metavar="N",
@@ -512,6 +593,7 @@ def _add_limits_and_traffic_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--queue-timeout",
+        "--queue-timeout-secs",
         type=float,
         default=30.0,
         metavar="S",
@@ -543,10 +625,53 @@ def _add_limits_and_traffic_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--drain-timeout",
+        "--shutdown-grace-period-secs",
         type=float,
         default=30.0,
         metavar="S",
         help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+
+
+def _add_websocket_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--ws-max-message-bytes",
+        type=positive_int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest message a client may send on a Responses WebSocket; a larger one closes the socket "
+        "with 1009 before it is read (default: %(default)s, 8 MiB)",
+    )
+    g.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds a socket may stay open with no turn running and no client event received (pings "
+        "do not count); then it is closed (1000)",
+    )
+    g.add_argument(
+        "--ws-max-turns",
+        type=positive_int,
+        default=1000,
+        metavar="N",
+        help="response.create turns one socket may run; the next one is refused with an error event "
+        "(websocket_connection_limit_reached) and the socket closes",
+    )
+    g.add_argument(
+        "--ws-max-lifetime",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="seconds a socket may live; a turn asked for later is refused as past --ws-max-turns is",
+    )
+    g.add_argument(
+        "--ws-max-sockets-per-key",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="open sockets one API key (one client address without keys) may hold; a handshake past it "
+        "gets 429",
     )
 
 
@@ -555,20 +680,31 @@ def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
         "--api-key",
         action="append",
         metavar="KEY",
-        help="require this bearer key on /v1 routes (repeatable; also HARMONY_GATEWAY_API_KEYS)",
+        help="require this bearer key on /v1 routes (repeatable); prefer --api-key-file or "
+        "HARMONY_GATEWAY_API_KEY: the command line is visible in the process list",
+    )
+    g.add_argument(
+        "--api-keys",
+        action=AliasAction,
+        alias_of="--api-key",
+        dest="api_key",
+        metavar="KEY",
+        help="several --api-key at once, separated by spaces or commas",
     )
     g.add_argument(
         "--api-key-file",
         default=None,
+        metavar="FILE",
         help="file with one API key per line, optionally with rate_limit=R token_rate_limit=T priority=P "
-        "tenant=NAME (keys of one tenant share stored responses and conversations)",
+        "tenant=NAME (keys of one tenant share stored responses and conversations); read again when it "
+        "changes and on SIGHUP, without a restart",
     )
     g.add_argument(
         "--admin-key",
         action="append",
         metavar="KEY",
         help="bearer key for the admin plane: /workers, and /metrics and /docs with --protect-metrics "
-        "(repeatable; also HARMONY_GATEWAY_ADMIN_KEYS); tenant --api-key keys never open it",
+        "(repeatable); tenant --api-key keys never open it",
     )
     g.add_argument(
         "--admin-host",
@@ -586,8 +722,9 @@ def _add_security_arguments(g: argparse._ArgumentGroup) -> None:
         "--worker-allow-hosts",
         action="append",
         metavar="HOSTS",
-        help="hosts a worker registered with POST /workers may resolve to even if private or loopback "
-        "(comma-separated names, addresses or CIDR networks)",
+        help="the only hosts a worker registered with POST /workers may name (comma-separated names, "
+        "addresses or CIDR networks) (default: any but link-local and cloud metadata addresses, which "
+        "are refused always)",
     )
     g.add_argument(
         "--mcp-allow-hosts",
@@ -631,53 +768,50 @@ def _stream_interval(value: str) -> int | None:
     if value == "auto":
         return 0
     if not value.isdigit() or int(value) < 1:
-        raise SystemExit(f"--stream-interval expects a positive number, 'auto' or 'engine', got {value!r}")
+        raise StartupError(
+            f"--stream-interval {value}: expects a positive number, 'auto' or 'engine'", "stream_interval"
+        )
     return int(value)
 
 
 def _key_file(args: argparse.Namespace) -> dict[str, KeyPolicy]:
     """The key file's entries: key → `KeyPolicy` (its own limits and priority, if any)."""
-    if not args.api_key_file:
+    path = args.api_key_file
+    if not path:
         return {}
     try:
-        return read_key_file(args.api_key_file)
+        entries = read_key_file(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StartupError(f"--api-key-file {path}: cannot read it: {exc}", "api_key_file") from None
     except ValueError as exc:
-        raise SystemExit(f"harmony-gateway: {exc}") from None
-
-
-def _api_keys(args: argparse.Namespace) -> frozenset[str]:
-    keys = set(args.api_key or ())
-    keys.update(_key_file(args))
-    env = os.environ.get("HARMONY_GATEWAY_API_KEYS")
-    if env:
-        keys.update(k.strip() for k in env.split(",") if k.strip())
-    return frozenset(keys)
-
-
-def _admin_keys(args: argparse.Namespace) -> frozenset[str]:
-    keys = set(args.admin_key or ())
-    env = os.environ.get("HARMONY_GATEWAY_ADMIN_KEYS")
-    if env:
-        keys.update(k.strip() for k in env.split(",") if k.strip())
-    return frozenset(keys)
+        raise StartupError(f"--api-key-file {exc}", "api_key_file") from None
+    if not entries:
+        # A gateway given a key file means to require keys: an empty one must not open it to everyone.
+        raise StartupError(f"--api-key-file {path}: holds no key", "api_key_file")
+    return entries
 
 
 def _reasoning_key(args: argparse.Namespace) -> str | None:
-    """The reasoning key: --reasoning-key-file, else --reasoning-key, else HARMONY_GATEWAY_REASONING_KEY."""
-    if args.reasoning_key_file:
+    """The reasoning key: --reasoning-key-file, else --reasoning-key (HARMONY_GATEWAY_REASONING_KEY)."""
+    path = args.reasoning_key_file
+    if path:
         try:
-            key = Path(args.reasoning_key_file).read_text().strip()
+            key = Path(path).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
-            raise SystemExit(f"harmony-gateway: --reasoning-key-file: cannot read it: {exc}") from None
+            raise StartupError(
+                f"--reasoning-key-file {path}: cannot read it: {exc}", "reasoning_key_file"
+            ) from None
         if not key:
-            raise SystemExit(f"harmony-gateway: --reasoning-key-file: {args.reasoning_key_file} is empty")
+            raise StartupError(f"--reasoning-key-file {path}: is empty", "reasoning_key_file")
         return key
-    return args.reasoning_key or os.environ.get("HARMONY_GATEWAY_REASONING_KEY") or None
+    return args.reasoning_key or None
 
 
 def visible_secret_warning(args: argparse.Namespace) -> str | None:
-    """Why the command line is a poor place for a secret that was given on it, or None."""
-    if args.reasoning_key:
+    """Why the command line is a poor place for a secret that was given on it, or None (a secret from
+    the environment or the config file is not in the process list)."""
+    sources = getattr(args, "option_sources", {})
+    if args.reasoning_key and sources.get("reasoning_key", "--reasoning-key").startswith("--"):
         return (
             "--reasoning-key is visible to every local user in the process list (ps); "
             "use --reasoning-key-file or HARMONY_GATEWAY_REASONING_KEY instead"
@@ -688,7 +822,6 @@ def visible_secret_warning(args: argparse.Namespace) -> str | None:
 #: Settings fields made of a repeatable `MODEL=VALUE` option (a dict, by model).
 _PAIR_OPTIONS = {
     "model_policies": "--model-policy",
-    "tokenizer_paths": "--tokenizer",
     "reasoning_parsers": "--reasoning-parser",
     "tool_call_parsers": "--tool-call-parser",
     "model_aliases": "--model-alias",
@@ -697,122 +830,87 @@ _PAIR_OPTIONS = {
 #: Settings fields made of a repeatable, comma-separated option of the same name (a tuple).
 _LIST_OPTIONS = ("forwarded_allow_ips", "worker_allow_hosts", "mcp_allow_hosts")
 _SETTINGS_FIELDS = frozenset(f.name for f in fields(Settings))
+#: `--tokenizer DIR` without a model: the tokenizer of every model without one of its own.
+ANY_MODEL = "*"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """The Settings of parsed `serve` options, with the keys the environment and key files add. An
-    option named like a Settings field sets it as parsed; the others are converted here.
+    """The Settings of parsed `serve` options (the parser has added the environment's and the config
+    file's, cli/config.py) and the key files they name. An option named like a Settings field sets it as
+    parsed; the others are converted here.
 
-    Exits (SystemExit with the reason) on an unreadable key file or a malformed `MODEL=VALUE` flag.
+    Raises StartupError on an unreadable or empty key file or a malformed `MODEL=VALUE` flag.
     """
     options = vars(args)
     as_parsed = {name: value for name, value in options.items() if name in _SETTINGS_FIELDS}
-    harmony_models = split_list(args.harmony_models) + split_list([os.environ.get("HARMONY_MODELS", "")])
+    key_policies = _key_file(args)
     converted: dict[str, Any] = {
         "worker_urls": tuple(args.worker_url or ()),
         "prefill_urls": tuple(args.prefill or ()),
         "decode_urls": tuple(args.decode or ()),
         "worker_dns": tuple(args.worker_dns or ()),
-        "harmony_models": frozenset(harmony_models),
+        "harmony_models": frozenset(split_list(args.harmony_models)),
         "processes": args.workers,
         "stream_interval": _stream_interval(args.stream_interval),
         "timeouts": Timeouts(first_token=args.first_token_timeout, total=args.request_timeout),
         "conversation_start_date": args.conversation_date,
         "storage_url": args.storage,
-        "api_keys": _api_keys(args),
-        "admin_keys": _admin_keys(args),
+        "api_keys": frozenset(args.api_key or ()) | frozenset(key_policies),
+        "admin_keys": frozenset(args.admin_key or ()),
         "reasoning_key": _reasoning_key(args),
-        "key_policies": _key_file(args),
+        "key_policies": key_policies,
+        "tokenizer_paths": _tokenizers(args.tokenizer),
     }
-    for name, flag in _PAIR_OPTIONS.items():
-        converted[name] = pairs(options[flag[2:].replace("-", "_")], flag)
+    for name, option in _PAIR_OPTIONS.items():
+        try:
+            converted[name] = pairs(options[option[2:].replace("-", "_")], option)
+        except ValueError as exc:
+            raise StartupError(str(exc), option[2:].replace("-", "_")) from None
     for name in _LIST_OPTIONS:
         converted[name] = tuple(split_list(options[name]))
     return Settings(**(as_parsed | converted))
 
 
+def _tokenizers(values: list[str] | None) -> dict[str, str]:
+    """`--tokenizer MODEL=DIR` by model; a bare `DIR` serves any model (`ANY_MODEL`)."""
+    out: dict[str, str] = {}
+    for value in values or ():
+        model, sep, folder = value.rpartition("=")
+        out[model.strip() if sep else ANY_MODEL] = folder.strip()
+    return out
+
+
 def invalid_setting(settings: Settings) -> str | None:
-    """A one-line reason the settings cannot work (unknown policy or parser name), or None."""
-    for name in (
-        settings.policy,
-        settings.prefill_policy,
-        settings.decode_policy,
-        *settings.model_policies.values(),
-    ):
-        if name is not None and name not in POLICIES:
-            return f"unknown routing policy {name!r}; expected one of {', '.join(sorted(POLICIES))}"
-    try:
-        CacheAwarePolicy(**settings.policy_options("cache_aware"))
-        KvAwarePolicy(**settings.policy_options("kv_aware"))
-    except ValueError as exc:
-        return str(exc)
-    try:
-        validate_parser_names(settings.reasoning_parsers, settings.tool_call_parsers, settings.text_parsers)
-    except InvalidRequest as exc:
-        return exc.message
-    for flag, number in (
-        ("--engine-wedge-ms", settings.engine_wedge_ms),
-        ("--engine-prefill-rate", settings.engine_prefill_rate),
-        ("--load-poll-interval", settings.load_poll_interval),
-    ):
-        if number < 0:
-            return f"{flag} must be 0 or more"
-    if settings.text_parser_window_chars < 0:
-        return "--text-parser-window-chars must be 0 or more"
-    if settings.text_parser_window_seconds is not None and settings.text_parser_window_seconds <= 0:
-        return "--text-parser-window-seconds must be above 0"
-    for flag, value in (
-        ("--max-concurrent-requests", settings.max_concurrent_requests),
-        ("--rate-limit", settings.rate_limit),
-        ("--token-rate-limit", settings.token_rate_limit),
-    ):
-        if value is not None and value < 1:
-            return f"{flag} must be 1 or more"
-    if settings.queue_size < 0 or settings.queue_timeout <= 0 or settings.drain_timeout < 0:
-        return "--queue-size and --drain-timeout must be 0 or more, --queue-timeout above 0"
-    if settings.rate_limit_store and not settings.rate_limit_store.startswith(("redis://", "rediss://")):
-        return "--rate-limit-store expects redis://host:port/db"
-    for peer in settings.forwarded_allow_ips:
-        if peer != "*":
-            try:
-                ipaddress.ip_network(peer, strict=False)
-            except ValueError:
-                return f"--forwarded-allow-ips expects IPs, CIDRs or '*', got {peer!r}"
-    problem = _discovery_problem(settings)
-    if problem:
-        return problem
-    if settings.protect_metrics and not settings.admin_keys and settings.admin_port is None:
-        return "--protect-metrics needs the admin credential: pass --admin-key KEY or --admin-port PORT"
-    return None
+    """A one-line reason the settings cannot work (an unknown policy or parser, a number out of range,
+    a URL without its scheme...), or None; reads no file (`checks.setting_problem`)."""
+    problem = setting_problem(settings)
+    return None if problem is None else str(problem)
 
 
-def _discovery_problem(settings: Settings) -> str | None:
-    try:
-        for spec in settings.worker_dns:
-            parse_dns_target(spec, tuple(GRPC_ENGINES))
-        if settings.worker_dns_server is not None:
-            parse_nameserver(settings.worker_dns_server)
-    except ValueError as exc:
-        return str(exc)
-    if settings.worker_dns_interval <= 0 or settings.worker_dns_timeout <= 0:
-        return "--worker-dns-interval and --worker-dns-timeout must be above 0"
-    if settings.worker_dns_drain_timeout is not None and settings.worker_dns_drain_timeout < 0:
-        return "--worker-dns-drain-timeout must be 0 or more"
-    return None
+def fail(message: str) -> NoReturn:
+    """End start-up: the reason on one line of stderr, exit status 2."""
+    print(f"harmony-gateway: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> None:
-    """Serve until stopped. Settings that cannot work exit 2 with one line on stderr, before the port is
-    bound; `argv` is the command line, handed to the processes of `--workers N`."""
-    settings = settings_from_args(args)
+    """Serve until stopped. Anything that keeps the gateway from starting (settings, files, the
+    storage, the port) exits 2 with one line on stderr, before the port is bound and before the banner;
+    `argv` is the command line, handed to the processes of `--workers N`."""
+    sources: dict[str, str] = getattr(args, "option_sources", {})
+    try:
+        settings = settings_from_args(args)
+    except StartupError as exc:
+        fail(exc.describe(sources))
     configure_logging(settings.log_level, settings.log_json)
+    for warning in getattr(args, "config_warnings", ()):
+        log.warning(warning)
     warning = visible_secret_warning(args)
     if warning:
         log.warning(warning)
-    problem = invalid_setting(settings)
+    problem = setting_problem(settings) or file_problem(settings)
     if problem:
-        print(f"harmony-gateway: {problem}", file=sys.stderr)
-        raise SystemExit(2)
+        fail(problem.describe(sources))
     # lazy: loads the serving stack and the vocabularies; the other commands and --help never need them
     from ..app import load_vocabularies
     from ..harmony.encoding import VocabularyUnavailable
@@ -820,45 +918,20 @@ def run(args: argparse.Namespace, argv: list[str]) -> None:
     try:
         load_vocabularies()  # fail fast, before binding the port
     except VocabularyUnavailable as exc:
-        print(f"harmony-gateway: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(str(exc))
     if not settings.worker_urls and not settings.prefill_urls and not settings.worker_dns and not args.demo:
-        print(
-            "harmony-gateway: no workers: pass --worker-url grpc://host:port, --worker-dns "
-            "grpc://name:port (or --demo)",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    if args.workers > 1:
-        problem = _multiprocess_problem(settings, args.demo)
-        if problem:
-            print(f"harmony-gateway: --workers {args.workers}: {problem}", file=sys.stderr)
-            raise SystemExit(2)
-        _serve_processes(settings, argv, args.workers)
-        return
-    run_until_interrupted(_serve(settings, args.demo))
-
-
-DEMO_TEXT = """
-Playground: http://{host}:{port}/   (open it in a browser)
-
-harmony-gateway demo: gateway http://{host}:{port}/v1 -> simulated gpt-oss engine {sim}
-
-  curl -s http://{host}:{port}/v1/chat/completions -H 'content-type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is 2+2?"}}]}}'
-
-  python - <<'PY'
-  from openai import OpenAI
-  client = OpenAI(base_url="http://{host}:{port}/v1", api_key="unused")
-  r = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
-  print("reasoning:", r.choices[0].message.reasoning_content)
-  print("answer:   ", r.choices[0].message.content)
-  PY
-
-  harmony-gateway render request.json   # the exact Harmony prompt a saved request would send
-
-Press Ctrl+C to stop.
-"""
+        fail("no workers: pass --worker-url grpc://host:port, --worker-dns grpc://name:port (or --demo)")
+    try:
+        check_resolver(settings)
+        if args.workers > 1:
+            reason = _multiprocess_problem(settings, args.demo)
+            if reason:
+                fail(f"--workers {args.workers}: {reason}")
+            _serve_processes(settings, argv, args.workers)
+            return
+        run_until_interrupted(_serve(settings, args.demo))
+    except StartupError as exc:
+        fail(exc.describe(sources))
 
 
 async def _serve(settings: Settings, demo: bool) -> None:
@@ -869,6 +942,27 @@ async def _serve(settings: Settings, demo: bool) -> None:
     from ..app import create_app  # lazy: serving stack (FastAPI, pipeline, storage)
     from ..traffic.drain import DrainingServer  # lazy: serving stack (uvicorn)
 
+    class Server(DrainingServer):
+        """Runs `started` once it listens and its lifespan has started the app: the banner and the
+        lines that say what started come after the port is bound, never before a failure."""
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:
+                started()
+
+    await check_storage(settings)
+    # Bound now, so a port in use is one line before anything starts; the server listens on them.
+    sock = bind_listener(settings.host, settings.port)
+    admin_sock = None
+    try:
+        if settings.admin_port is not None:
+            admin_sock = bind_listener(settings.admin_host, settings.admin_port, "admin_port", "admin_host")
+    except StartupError:
+        sock.close()
+        raise
+    url = listen_url(settings, sock)
+    admin_url = listen_url(replace(settings, host=settings.admin_host), admin_sock) if admin_sock else None
     sim = None
     if demo:
         # lazy: the simulated engine loads only for --demo, not in every gateway
@@ -881,39 +975,47 @@ async def _serve(settings: Settings, demo: bool) -> None:
     config = uvicorn.Config(
         app,
         host=settings.host,
-        port=settings.port,
+        port=sock.getsockname()[1],
         log_level=settings.log_level,
         access_log=False,
         lifespan="on",
         log_config=None,
         **server_options(settings),
     )
-    server = DrainingServer(config)
-    if sim is not None:  # demo mode
-        print(
-            DEMO_TEXT.format(host=settings.host, port=settings.port, sim=sim.url, model="openai/gpt-oss-20b"),
-            flush=True,
-        )
+
+    def started() -> None:
+        for line in started_lines(settings, url, admin_url):
+            log.info(line)
+        if sim is not None:  # demo mode: the examples, once the gateway answers them
+            host, port = url.split("://", 1)[1].rsplit(":", 1)
+            key = min(settings.api_keys) if settings.api_keys else None
+            print(demo_banner(host=host, port=int(port), sim_url=sim.url, api_key=key), flush=True)
+
+    server = Server(config)
     try:
-        if settings.admin_port is None:
-            await server.serve()
+        if admin_sock is None:
+            await server.serve(sockets=[sock])
         else:
-            await _serve_with_admin_listener(server, app, settings)
+            await _serve_with_admin_listener(server, app, settings, sock, admin_sock)
     finally:
+        sock.close()
+        if admin_sock is not None:
+            admin_sock.close()
         if sim is not None:
             await sim.stop()
 
 
-async def _serve_with_admin_listener(server: uvicorn.Server, app: FastAPI, settings: Settings) -> None:
+async def _serve_with_admin_listener(
+    server: uvicorn.Server, app: FastAPI, settings: Settings, sock: socket.socket, admin_sock: socket.socket
+) -> None:
     # lazy: the admin routes import the HTTP app's modules (FastAPI); only --admin-port needs them
     from ..api.admin import admin_server
 
-    assert settings.admin_port is not None
-    admin = admin_server(app, settings.admin_host, settings.admin_port, settings.log_level)
+    admin = admin_server(app, settings.admin_host, admin_sock.getsockname()[1], settings.log_level)
     # The admin listener answers 503 until the main server's lifespan has built the app's state.
-    admin_task = asyncio.create_task(admin.serve())
+    admin_task = asyncio.create_task(admin.serve(sockets=[admin_sock]))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         admin.should_exit = True
         await admin_task
@@ -933,14 +1035,17 @@ def _multiprocess_problem(settings: Settings, demo: bool) -> str | None:
 
 
 def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
-    """uvicorn's supervisor: N spawned processes accept on one listening socket; each builds its app
-    from the same command line (`harmony_gateway.cli.app_from_env`)."""
+    """uvicorn's supervisor: N spawned processes accept on one listening socket, bound here (a port in
+    use is one line); each builds its app from the same command line (`harmony_gateway.cli.app_from_env`)."""
     # The serving stack loads only when serve runs, so --help and the other commands start fast.
     import uvicorn  # lazy: serving stack
+    from uvicorn.supervisors import Multiprocess  # lazy: serving stack
 
     from ..api.http_protocol import raise_open_file_limit, server_options  # lazy: serving stack (uvicorn)
     from ..traffic.drain import use_draining_processes  # lazy: serving stack (uvicorn)
 
+    asyncio.run(check_storage(settings))
+    sock = bind_listener(settings.host, settings.port)
     os.environ[SERVE_ARGV_ENV] = json.dumps(argv)
     raise_open_file_limit()  # the spawned processes inherit it
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -956,11 +1061,11 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
             tempfile.mkdtemp(prefix="harmony-gateway-admission-"), "slots"
         )
     use_draining_processes()
-    uvicorn.run(
+    config = uvicorn.Config(
         "harmony_gateway.cli:app_from_env",
         factory=True,
         host=settings.host,
-        port=settings.port,
+        port=sock.getsockname()[1],
         workers=workers,
         log_level=settings.log_level,
         access_log=False,
@@ -968,3 +1073,10 @@ def _serve_processes(settings: Settings, argv: list[str], workers: int) -> None:
         log_config=None,
         **server_options(settings, processes=workers),
     )
+    for line in started_lines(settings, listen_url(settings, sock)):
+        log.info(line)
+    log.info("%d gateway processes share the port", workers)
+    try:
+        Multiprocess(config, sockets=[sock]).run()
+    finally:
+        sock.close()

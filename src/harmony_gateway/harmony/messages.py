@@ -220,7 +220,10 @@ def _freeze(value: Any) -> Any:
 
 
 class Msg(NamedTuple):
-    """A history message as plain data: cheap to build, hash and store; rendered by PromptRenderer."""
+    """A history message as plain data: cheap to build, hash and store; rendered by PromptRenderer.
+
+    `kind` is never rendered: it tells the gateway what a message stands for where its text cannot (a
+    conversation summary, `surfaces/responses/compaction.py`)."""
 
     role: str
     text: str
@@ -228,6 +231,7 @@ class Msg(NamedTuple):
     recipient: str | None = None
     content_type: str | None = None
     name: str | None = None
+    kind: str | None = None
 
     def to_harmony(self) -> Message:
         # An empty name, channel, recipient or content type is absent from the rendered header.
@@ -251,6 +255,7 @@ class Msg(NamedTuple):
             recipient=data.get("recipient"),
             content_type=data.get("content_type"),
             name=data.get("name"),
+            kind=data.get("kind"),
         )
 
 

@@ -14,7 +14,8 @@ refusals without `<|message|>` (harmony#80), bare recipients. Malformed spans (a
 message they interrupt with what it had, and parsing resumes at the next `<|start|>`; so does a header
 longer than `MAX_HEADER_TOKENS` or with a field longer than `MAX_HEADER_FIELD_CHARS`. Each recovery is
 counted by kind in `recoveries`. Text on a channel other than analysis/commentary/final is reasoning, never
-answer text. Output from which nothing usable was parsed raises `UpstreamBadOutput` when it ends, so no
+answer text; text on no channel at all (no header, or a bare `<|start|>assistant` refusal) is kept as the
+answer and counted too (`no_header`). Output from which nothing usable was parsed raises `UpstreamBadOutput` when it ends, so no
 special-token text ever reaches a client.
 """
 
@@ -93,7 +94,7 @@ MAX_HEADER_TOKENS = 256
 _LONG_FIELD = f"a message header field longer than {MAX_HEADER_FIELD_CHARS} characters"
 _KNOWN_CHANNELS = frozenset({"analysis", "commentary", "final"})
 
-# Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of harmony_channel_parse_errors_total).
+# Recovery kinds (`HarmonyOutputParser.recoveries`, the `kind` label of gateway_harmony_channel_parse_errors_total).
 RECOVERED_HEADER = "broken_header"  # a header openai-harmony rejects (doubled <|start|>assistant, junk)
 RECOVERED_STRAY_TEXT = "stray_text"  # tokens between messages, skipped up to the next <|start|>
 RECOVERED_CONTROL_IN_CONTENT = "control_token_in_content"  # a control token where text was expected
@@ -101,7 +102,8 @@ RECOVERED_UNKNOWN_CHANNEL = "unknown_channel"  # text on a channel that is not a
 RECOVERED_LONG_HEADER = (
     "header_too_long"  # a header or header field over its cap, skipped to the next <|start|>
 )
-# Unexpected order (harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
+RECOVERED_NO_HEADER = "no_header"  # answer text with no channel: no header at all, or a bare refusal
+# Unexpected order (gateway_harmony_channel_unexpected_order_total): a reply ended by <|return|> on a message that is
 # not the final answer, or analysis/commentary written after the final answer.
 
 
@@ -632,6 +634,8 @@ class HarmonyOutputParser:
                         continue
                     role = parser.current_role
                     msg = self.classify(channel, recipient, role.value if role is not None else None)
+                    if channel is None and msg.kind == ANSWER:
+                        self._recovered(RECOVERED_NO_HEADER, "a message header without a channel")
                     msg.content_type = content_type
                     msg.tokens = self._header_tokens + 1
                     self._header_tokens = 0
@@ -682,6 +686,8 @@ class HarmonyOutputParser:
             self._recovered(RECOVERED_LONG_HEADER, _LONG_FIELD)
             return
         msg = self.classify(channel, recipient, role)
+        if channel is None and msg.kind == ANSWER and text:
+            self._recovered(RECOVERED_NO_HEADER, "answer text without a Harmony header (no channel)")
         msg.content_type = content_type
         msg.tokens = tokens
         self._start(msg, events)

@@ -1,5 +1,10 @@
 """Logging set-up: plain text or one JSON object per line (`--log-json`), the per-request line, and the
-one line an unexpected failure gets (`log_failure`)."""
+one line an unexpected failure gets (`log_failure`).
+
+Every request but the probes and the playground's files gets exactly one line on
+`harmony_gateway.requests` (and one count in `gateway_requests_total`), whatever its status: its
+status, the model it asked for, the id of its key (never the key), tokens and latency. A client that
+leaves before its answer ended is logged with `CLIENT_CLOSED`."""
 
 from __future__ import annotations
 
@@ -12,6 +17,18 @@ import orjson
 from .observed import ObservedRequest
 
 request_log = logging.getLogger("harmony_gateway.requests")
+
+#: The status a request is logged and counted with when its client left before the answer ended
+#: (nginx's "client closed request"); the client never sees it.
+CLIENT_CLOSED = 499
+#: Characters of the model a request asked for that its log line keeps (clients choose that text).
+MAX_LOGGED_MODEL_CHARS = 256
+
+
+def requested_model(body: object) -> str:
+    """The `model` a request body names ("" when it names none), cut to MAX_LOGGED_MODEL_CHARS."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model[:MAX_LOGGED_MODEL_CHARS] if isinstance(model, str) else ""
 
 
 class JsonFormatter(logging.Formatter):
@@ -44,14 +61,19 @@ def configure_logging(level: str = "info", json_lines: bool = False) -> None:
 
 
 def log_request(ctx: ObservedRequest) -> None:
-    """One line per request: id, route, model, worker, status, tokens, latency (no prompt text)."""
+    """One line per request: id, route, model (the one served, else the one asked for), key id, worker,
+    status, tokens, latency (no prompt text)."""
     if not request_log.isEnabledFor(logging.INFO):
         return
     latency_ms = (time.perf_counter() - ctx.started) * 1000
+    principal = ctx.principal
+    model = ctx.model or ctx.requested_model
     fields = {
         "request_id": ctx.request_id,
         "route": ctx.route,
-        "model": ctx.model,
+        "model": model,
+        "key_id": principal.key_id,
+        "tenant": principal.tenant_name,
         "worker": ctx.worker.public_url if ctx.worker is not None else None,
         "worker_id": ctx.worker.id if ctx.worker is not None else None,
         "status": ctx.status,
@@ -66,10 +88,11 @@ def log_request(ctx: ObservedRequest) -> None:
     if ctx.first_token_at is not None:
         fields["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 2)
     request_log.info(
-        "%s %s model=%s worker=%s status=%s tokens=%s/%s %.1fms",
+        "%s %s model=%s key=%s worker=%s status=%s tokens=%s/%s %.1fms",
         ctx.request_id,
         ctx.route,
-        ctx.model,
+        model,
+        principal.key_id or "-",
         fields["worker"],
         ctx.status,
         ctx.prompt_tokens,

@@ -14,6 +14,12 @@ at each worker reconcile (about once a second, routing/shared_registry.py) and b
 the scrape, and merged: `gateway_worker_in_flight` sums the live processes, `gateway_worker_healthy` is
 the largest live value (health is shared, so they agree), and `gateway_worker_circuit_breaker_state`
 counts the live processes whose breaker for the worker is in each state (breakers are per process).
+
+prometheus-client's standard families are on the app's registry too: `process_*` (memory, CPU, file
+descriptors, start time) and `python_*` (version, garbage collector). With several processes each one
+writes its own `process_*` values to its files at the same moments as the worker gauges, shown with a
+`pid` label for every live process (a sum over them is the gateway's footprint); `python_info` is the
+same in all of them, and the collector's per-process garbage counts are left out.
 """
 
 from __future__ import annotations
@@ -29,14 +35,23 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from .logging import log_request
-from .observed import ObservedParser, ObservedRequest, ObservedTextStats, ObservedWorker
+from .observed import (
+    ObservedParser,
+    ObservedPrincipal,
+    ObservedRequest,
+    ObservedTextStats,
+    ObservedWorker,
+)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -46,6 +61,9 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0
 BREAKER_STATES = ("closed", "open", "half_open")
 WORKER_LABELS = ("worker", "url", "kind", "model", "engine")
 ROUTE_MODEL = ("route", "model")
+KEY_MODEL = ("key_id", "tenant", "model")
+#: The one prefix of every metric the gateway defines (beside prometheus-client's process_* and python_*).
+METRIC_PREFIX = "gateway_"
 
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 #: How prometheus-client merges a gauge's per-process values (`Gauge(multiprocess_mode=...)`).
@@ -175,12 +193,23 @@ class GatewayMetrics(MetricSet):
     completion_tokens = counter(
         "gateway_completion_tokens_total", "Completion tokens received from engines", ["model"]
     )
+    # Chargeback: tokens by API key (its id, a hash, never the key) and the key file's tenant name.
+    key_prompt_tokens = counter(
+        "gateway_key_prompt_tokens_total",
+        "Prompt tokens sent to engines for each API key (by key id) and its tenant",
+        KEY_MODEL,
+    )
+    key_completion_tokens = counter(
+        "gateway_key_completion_tokens_total",
+        "Completion tokens received from engines for each API key (by key id) and its tenant",
+        KEY_MODEL,
+    )
     retries = counter(
         "gateway_retries_total", "Engine requests retried on another worker before any output", ["model"]
     )
     # The Responses tool loop (surfaces/responses/service/turns.py, mcp/tool_loop.py).
     mcp_iterations = histogram(
-        "harmony_mcp_iterations",
+        "gateway_mcp_iterations",
         "Model generations per Responses request that offered gateway-executed tools",
         ["model"],
         buckets=(1, 2, 3, 4, 5, 6, 8, 10, 15, 20),
@@ -197,42 +226,44 @@ class GatewayMetrics(MetricSet):
         ["server", "tool"],
         buckets=LATENCY_BUCKETS,
     )
-    harmony_requests = counter("harmony_requests_total", "Requests served by a Harmony model")
+    harmony_requests = counter("gateway_harmony_requests_total", "Requests served by a Harmony model")
     unbacked_tools_dropped = counter(
         "gateway_unbacked_tools_dropped_total",
         "Hosted tools left out of a prompt because nothing on the gateway backs them",
         ["type"],
     )
     harmony_reasoning_budget_exceeded = counter(
-        "harmony_reasoning_budget_exceeded_total",
+        "gateway_harmony_reasoning_budget_exceeded_total",
         "Requests whose analysis hit the reasoning budget and were moved on to the final answer",
         ROUTE_MODEL,
     )
     harmony_parsing_errors = counter(
-        "harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable"
+        "gateway_harmony_parsing_errors_total", "Choices whose Harmony output stopped being parseable"
     )
     harmony_channel_messages = counter(
-        "harmony_channel_messages_total", "Harmony messages parsed from model output, by channel", ["channel"]
+        "gateway_harmony_channel_messages_total",
+        "Harmony messages parsed from model output, by channel",
+        ["channel"],
     )
     # Recoveries of the token-level parser (by kind) and of the text-level one (HTTP upstreams,
     # non-Harmony models; kind "text", fed from `ParserStats`).
     harmony_channel_unexpected_order = counter(
-        "harmony_channel_unexpected_order_total",
+        "gateway_harmony_channel_unexpected_order_total",
         "Messages out of the expected order: analysis/commentary after a final answer, or a reply ended "
         "by <|return|> on a message that is not the answer",
     )
     harmony_channel_parse_errors = counter(
-        "harmony_channel_parse_errors_total",
+        "gateway_harmony_channel_parse_errors_total",
         "Malformed spans in model output the parsers recovered from, by kind",
         ["kind"],
     )
     harmony_marker_fallback = counter(
-        "harmony_marker_fallback_total",
+        "gateway_harmony_marker_fallback_total",
         "Text outputs without Harmony markers that fell back to a marker or to pass-through",
         ["fallback"],
     )
     harmony_reasoning_answer_ratio = histogram(
-        "harmony_reasoning_answer_ratio",
+        "gateway_harmony_reasoning_answer_ratio",
         "Reasoning characters per answer character, one observation per choice with an answer",
         buckets=RATIO_BUCKETS,
     )
@@ -241,12 +272,14 @@ class GatewayMetrics(MetricSet):
         super().__init__(CollectorRegistry())
         r = self.registry
         self._series: dict[tuple[str, str, int], _RequestSeries] = {}
+        self._key_series: dict[tuple[str, str, str], tuple[Counter, Counter]] = {}
         #: Called before each scrape is rendered: what keeps gauges of its own refreshed (the KV-event
         #: feeds' per-worker gauges) brings them up to date.
         self.before_render: list[Callable[[], None]] = []
         self._workers = workers
         self._fleet = FleetCollector(workers) if workers is not None else None
         self._fleet_gauges: _FleetGauges | None = None
+        self._process_gauges: _ProcessGauges | None = None
         self._scrape_registry = r
         if multiprocess_dir():
             # Values live in per-process files; a fresh registry merges them at every scrape.
@@ -255,8 +288,17 @@ class GatewayMetrics(MetricSet):
             MultiProcessCollector(self._scrape_registry)  # type: ignore[no-untyped-call]
             if workers is not None:
                 self._fleet_gauges = _FleetGauges(r)
-        elif self._fleet is not None:
-            r.register(self._fleet)
+            # Each process's own process_* values, one series per live process (`pid`); python_info
+            # is the same in every process. A process's collector garbage counts are not merged.
+            self._process_gauges = _ProcessGauges(r)
+            PlatformCollector(registry=self._scrape_registry)
+        else:
+            if self._fleet is not None:
+                r.register(self._fleet)
+            # prometheus-client's default collectors, on this app's registry: process_*, python_*.
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
 
     def observe(self, ctx: ObservedRequest, now: float | None = None) -> None:
         """Record one finished request (called once, from `finish_request`)."""
@@ -280,6 +322,8 @@ class GatewayMetrics(MetricSet):
             series.prompt_tokens.inc(ctx.prompt_tokens)
         if ctx.completion_tokens:
             series.completion_tokens.inc(ctx.completion_tokens)
+        if ctx.principal.key_id and (ctx.prompt_tokens or ctx.completion_tokens):
+            self._observe_key_tokens(ctx.principal, model, ctx.prompt_tokens, ctx.completion_tokens)
         first = ctx.first_token_at
         if first is not None:
             series.ttft.observe(first - ctx.started)
@@ -291,6 +335,33 @@ class GatewayMetrics(MetricSet):
             self.observe_harmony(ctx.parsers)
         if ctx.text_stats:
             self.observe_text_stats(ctx.text_stats)
+
+    def observe_tokens(
+        self, principal: ObservedPrincipal, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Record the tokens of work that outlives its request (a background response), by model and by
+        key; its request was recorded on its own, without them."""
+        if prompt_tokens:
+            self.prompt_tokens.labels(model).inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.labels(model).inc(completion_tokens)
+        if principal.key_id and (prompt_tokens or completion_tokens):
+            self._observe_key_tokens(principal, model, prompt_tokens, completion_tokens)
+
+    def _observe_key_tokens(
+        self, principal: ObservedPrincipal, model: str, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        labels = (principal.key_id, principal.tenant_name, model)
+        series = self._key_series.get(labels)
+        if series is None:
+            series = self._key_series[labels] = (
+                self.key_prompt_tokens.labels(*labels),
+                self.key_completion_tokens.labels(*labels),
+            )
+        if prompt_tokens:
+            series[0].inc(prompt_tokens)
+        if completion_tokens:
+            series[1].inc(completion_tokens)
 
     def observe_harmony(self, parsers: Sequence[ObservedParser]) -> None:
         """Record one Harmony request from its output parsers (choices, or tool-loop iterations).
@@ -326,19 +397,22 @@ class GatewayMetrics(MetricSet):
             if st.content_chars:
                 self.harmony_reasoning_answer_ratio.observe(st.reasoning_chars / st.content_chars)
 
-    def refresh_fleet(self) -> None:
-        """Multi-process mode: write this process's worker gauges to its files (else nothing to do)."""
+    def refresh_files(self) -> None:
+        """Multi-process mode: write this process's worker gauges and its process_* values to its
+        files and drop the files of processes that are gone (else nothing to do)."""
+        if self._process_gauges is not None:
+            self._process_gauges.update()
         if self._fleet_gauges is not None and self._workers is not None:
             self._fleet_gauges.update(self._workers())
-            directory = multiprocess_dir()
-            if directory:
-                reap_dead_processes(directory)
+        directory = multiprocess_dir()
+        if directory and self._process_gauges is not None:
+            reap_dead_processes(directory)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         for refresh in self.before_render:
             refresh()
-        self.refresh_fleet()
+        self.refresh_files()
         return generate_latest(self._scrape_registry), CONTENT_TYPE_LATEST
 
 
@@ -388,6 +462,49 @@ class _FleetGauges(MetricSet):
                     self.breaker.labels(values[0], values[1], state).set(0.0)
                     self.breaker.remove(values[0], values[1], state)
         self._seen = seen
+
+
+class _ProcessGauges(MetricSet):
+    """Multi-process mode: this process's `process_*` values (prometheus-client's `ProcessCollector`
+    reads them) as `liveall` gauges, so a scrape shows every live process's own, labelled `pid`."""
+
+    resident_memory = gauge(
+        "process_resident_memory_bytes", "Resident memory size in bytes", multiprocess_mode="liveall"
+    )
+    virtual_memory = gauge(
+        "process_virtual_memory_bytes", "Virtual memory size in bytes", multiprocess_mode="liveall"
+    )
+    cpu_seconds = gauge(
+        "process_cpu_seconds_total",
+        "Total user and system CPU time spent in seconds",
+        multiprocess_mode="liveall",
+    )
+    open_fds = gauge("process_open_fds", "Number of open file descriptors", multiprocess_mode="liveall")
+    max_fds = gauge("process_max_fds", "Maximum number of open file descriptors", multiprocess_mode="liveall")
+    start_time = gauge(
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds",
+        multiprocess_mode="liveall",
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(registry)
+        self._reader = ProcessCollector(registry=None)
+        self._by_name = {
+            "process_resident_memory_bytes": self.resident_memory,
+            "process_virtual_memory_bytes": self.virtual_memory,
+            "process_cpu_seconds_total": self.cpu_seconds,
+            "process_open_fds": self.open_fds,
+            "process_max_fds": self.max_fds,
+            "process_start_time_seconds": self.start_time,
+        }
+
+    def update(self) -> None:
+        for family in self._reader.collect():
+            for sample in family.samples:
+                target = self._by_name.get(sample.name)
+                if target is not None:
+                    target.set(sample.value)
 
 
 def reap_dead_processes(directory: str) -> None:
@@ -443,6 +560,7 @@ def finish_request(ctx: ObservedRequest) -> None:
 
 
 __all__ = [
+    "METRIC_PREFIX",
     "FleetCollector",
     "GatewayMetrics",
     "MetricSet",

@@ -69,6 +69,15 @@ class ObservedTextStats(Protocol):
     def channel_messages(self) -> Mapping[str, int]: ...
 
 
+class ObservedPrincipal(Protocol):
+    """Who made a request (`principal.Principal`): what its log line and per-key counters name."""
+
+    @property
+    def key_id(self) -> str: ...
+    @property
+    def tenant_name(self) -> str: ...
+
+
 class ObservedRequest(Protocol):
     """A request at its end. `finish_request` sets `finished`, and `completion_tokens` when a stream
     never reported usage; everything else it only reads."""
@@ -77,7 +86,10 @@ class ObservedRequest(Protocol):
     completion_tokens: int
     request_id: str
     route: str
+    #: The model group that served the request ("" until one is found).
     model: str
+    #: The `model` the request's body named, whether or not the gateway serves it ("": none read).
+    requested_model: str
     started: float
     first_token_at: float | None
     status: int
@@ -86,6 +98,8 @@ class ObservedRequest(Protocol):
     #: The app's `GatewayMetrics`, or None.
     metrics: Any
 
+    @property
+    def principal(self) -> ObservedPrincipal: ...
     @property
     def worker(self) -> ObservedWorker | None: ...
     @property

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -36,8 +37,16 @@ def enabled() -> bool:
     return _provider is not None
 
 
-def configure(endpoint: str, service_name: str = "harmony-gateway") -> None:
-    """Export spans over OTLP/HTTP to `endpoint` (a collector's base URL, e.g. http://host:4318)."""
+def configure(
+    endpoint: str,
+    service_name: str = "harmony-gateway",
+    *,
+    export_timeout: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Export spans over OTLP/HTTP to `endpoint` (a collector's base URL, e.g. http://host:4318), each
+    batch within `export_timeout` seconds. A collector that cannot be reached is logged once and tried
+    again with back-off (`export.QuietExporter`, which reads `clock`)."""
     global _tracer, _provider
     # lazy: the OpenTelemetry SDK and its OTLP exporter load only when --otlp-endpoint turns tracing on
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -45,18 +54,26 @@ def configure(endpoint: str, service_name: str = "harmony-gateway") -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+    from .export import QuietExporter  # lazy: imports the OpenTelemetry SDK
+
     url = endpoint.rstrip("/")
     if not url.endswith("/v1/traces"):
         url += "/v1/traces"
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(
-        BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), schedule_delay_millis=200)
-    )
+    exporter = QuietExporter(OTLPSpanExporter(endpoint=url, timeout=export_timeout), url, clock=clock)
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=200))
     # Per app, not the process-global provider: a process may build several apps (tests), and the
     # global provider can be set only once.
     _provider = provider
     _tracer = provider.get_tracer("harmony_gateway")
     log.info("exporting traces to %s", url)
+
+
+def flush() -> None:
+    """Export the spans ended so far now, in this thread (blocks until the collector answers, or the
+    export times out or is skipped while backing off)."""
+    if _provider is not None:
+        _provider.force_flush()
 
 
 def shutdown() -> None:

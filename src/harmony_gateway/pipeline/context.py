@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..routing.workers import Worker
     from ..storage.base import Store
     from ..tasks import TaskSupervisor
+    from ..traffic.keys import KeyRing
     from .output_spec import OutputSpec
     from .tokenizer import ModelTokenizer
 
@@ -109,6 +110,8 @@ class GatewayState:
     background: BackgroundResponses
     #: The owner of every task that outlives its request; the lifespan's shutdown ends them.
     tasks: TaskSupervisor
+    #: The tenant keys in force, shared with traffic control; a key file reload changes them.
+    keys: KeyRing
     #: Tokenizers of non-Harmony models, by model, as loaded (pipeline/tokenizer.py).
     tokenizers: dict[str, ModelTokenizer] = field(default_factory=dict)
     #: The loads under way, by model: concurrent first requests of a model share one.
@@ -160,7 +163,10 @@ class RequestContext:
     #: The request's `prompt_cache_key`: the routing key of `cache_aware` and `consistent_hash` when given.
     prompt_cache_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
+    #: The model group serving the request: a metric label, so only ever a served model's name.
     model: str = ""
+    #: The `model` the client's body named (cut to `MAX_LOGGED_MODEL_CHARS`), served or not: logged.
+    requested_model: str = ""
     worker: Worker | None = None
     prefill_worker: Worker | None = None
     first_token_at: float | None = None
@@ -258,7 +264,16 @@ class PreparedRequest:
 
 
 #: What a detached context takes from its request's context (besides a copy of `log_extra`).
-DETACHED_FIELDS = ("request_id", "route", "principal", "routing_key", "model", "metrics", "wire")
+DETACHED_FIELDS = (
+    "request_id",
+    "route",
+    "principal",
+    "routing_key",
+    "model",
+    "requested_model",
+    "metrics",
+    "wire",
+)
 
 
 def detached_context(ctx: RequestContext) -> RequestContext:

@@ -9,6 +9,8 @@ the vault was opened for (`reasoning_vault(state, owner)`), so one tenant's valu
   the analysis text under AES-256-GCM whose associated data names the purpose, its version and the tenant
   (AEAD: a changed blob, or one sealed for another key or tenant, fails to open, which is a 400 naming the
   input param). Versioned `hg1.` + base64url(nonce || ciphertext || tag).
+- Responses compaction items (`POST /v1/responses/compact`, `context_management`): the model's summary of
+  a conversation, sealed the same way under a purpose of its own (`seal_summary`, `open_summary`).
 - Chat Completions and Anthropic Messages clients that send the assistant's tool calls back without the
   reasoning: the analysis the gateway produced for a turn is kept in the storage under (tenant, each tool
   call id it issued) (`remember`), with a TTL, and restored by those ids for that tenant only (`recall`):
@@ -61,6 +63,7 @@ _NONCE = 12
 _SEAL_PURPOSE = b"harmony-gateway encrypted_content v2"
 _SIGN_PURPOSE = b"harmony-gateway thinking signature v2"
 _RECALL_PURPOSE = b"harmony-gateway reasoning record v2"
+_SUMMARY_PURPOSE = b"harmony-gateway compaction summary v1"
 
 
 class ReasoningVault:
@@ -90,13 +93,30 @@ class ReasoningVault:
         return self._aead
 
     def seal(self, text: str) -> str:
-        nonce = os.urandom(_NONCE)
-        blob = nonce + self._cipher().encrypt(nonce, text.encode(), self._bound(_SEAL_PURPOSE))
-        return _PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
+        """A reasoning item's `encrypted_content`: its analysis text, sealed for this tenant."""
+        return self._seal(text, _SEAL_PURPOSE)
 
     def open(self, sealed: Any, *, param: str) -> str:
         """The analysis text in `sealed`; InvalidRequest naming `param` if it was not sealed with this key
         for this tenant."""
+        return self._open(sealed, _SEAL_PURPOSE, param)
+
+    def seal_summary(self, text: str) -> str:
+        """A compaction item's `encrypted_content`: the model's summary of a conversation, sealed for this
+        tenant under a purpose of its own (a reasoning blob never opens as a summary, nor the reverse)."""
+        return self._seal(text, _SUMMARY_PURPOSE)
+
+    def open_summary(self, sealed: Any, *, param: str) -> str:
+        """The summary in a compaction item's `sealed` content; InvalidRequest naming `param` if it was not
+        sealed as a summary with this key for this tenant."""
+        return self._open(sealed, _SUMMARY_PURPOSE, param)
+
+    def _seal(self, text: str, purpose: bytes) -> str:
+        nonce = os.urandom(_NONCE)
+        blob = nonce + self._cipher().encrypt(nonce, text.encode(), self._bound(purpose))
+        return _PREFIX + base64.urlsafe_b64encode(blob).decode().rstrip("=")
+
+    def _open(self, sealed: Any, purpose: bytes, param: str) -> str:
         if not isinstance(sealed, str) or not sealed.startswith(_PREFIX):
             raise InvalidRequest("encrypted_content was not produced by this gateway", param=param)
         cipher = self._cipher()
@@ -104,7 +124,7 @@ class ReasoningVault:
 
         try:
             raw = base64.urlsafe_b64decode(sealed[len(_PREFIX) :] + "=" * (-len(sealed) % 4))
-            text: bytes = cipher.decrypt(raw[:_NONCE], raw[_NONCE:], self._bound(_SEAL_PURPOSE))
+            text: bytes = cipher.decrypt(raw[:_NONCE], raw[_NONCE:], self._bound(purpose))
             return text.decode()
         except (InvalidTag, ValueError, binascii.Error, UnicodeDecodeError):
             raise InvalidRequest(
@@ -252,14 +272,18 @@ def wants_encrypted_reasoning(include: Any) -> bool:
     return ENCRYPTED_INCLUDE in (include or ())
 
 
+#: Responses item types whose `encrypted_content` this gateway sealed.
+_SEALED_ITEMS = frozenset({"reasoning", "compaction"})
+
+
 async def vault_for(
     state: GatewayState, owner: str, include: Any, *item_lists: Iterable[Any]
 ) -> ReasoningVault | None:
     """Tenant `owner`'s vault when a Responses request needs it: it asks for encrypted reasoning, or
-    replays some."""
+    replays some, or a compaction item."""
     needed = wants_encrypted_reasoning(include) or any(
         isinstance(item, dict)
-        and item.get("type") == "reasoning"
+        and item.get("type") in _SEALED_ITEMS
         and item.get("encrypted_content") is not None
         for items in item_lists
         for item in items

@@ -16,7 +16,8 @@ from .tokenizer import ModelTokenizer, load_folder, load_zip
 
 async def _load(state: GatewayState, group: ModelGroup) -> ModelTokenizer:
     name = group.name
-    folder = state.settings.tokenizer_paths.get(name)
+    # `--tokenizer DIR` without a model ("*") serves every model without a folder of its own.
+    folder = state.settings.tokenizer_paths.get(name) or state.settings.tokenizer_paths.get("*")
     if folder:
         return await anyio.to_thread.run_sync(load_folder, folder)
     reported = group.info.tokenizer_path

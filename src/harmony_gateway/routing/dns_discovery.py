@@ -23,11 +23,11 @@ Answers and failures:
   keeps the workers it had, the failure is counted and logged at the 1st, 2nd, 4th, 8th... failure in
   a row, and a line says when it answers again. When only part of a lookup fails (AAAA but not A, one
   SRV target's addresses), what was found is added and nothing is drained.
-- Addresses that can never be an engine are refused whatever an answer says: link-local ones
-  (169.254.0.0/16 holds the cloud metadata service; fe80::/10 needs an interface), multicast,
-  unspecified and IPv4 reserved (240.0.0.0/4, broadcast). Private and loopback addresses are what a cluster's DNS returns, and the
-  name is the operator's own flag, so the public-address rule of the worker API (url_policy.py) does
-  not apply.
+- Addresses that can never be an engine are refused whatever an answer says (`netguard.unusable_address`):
+  link-local ones (169.254.0.0/16 holds the cloud metadata service; fe80::/10 needs an interface), the
+  other cloud metadata addresses, multicast, unspecified and IPv4 reserved (240.0.0.0/4, broadcast).
+  Private and loopback addresses are what a cluster's DNS returns, and the name is the operator's own
+  flag, so `--worker-allow-hosts`, which narrows the worker API (url_policy.py), does not apply.
 
 Replicas: a worker's id comes from its kind and URL (`dns-<hex>`), so every gateway replica, and each
 process of `serve --workers N`, that resolves the same name holds the same workers under the same ids
@@ -50,7 +50,7 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from ..errors import GatewayError, NotFound
-from ..netguard import IPAddress
+from ..netguard import IPAddress, unusable_address
 from ..observability.metrics import MetricSet, counter, gauge
 from .fleet import Fleet
 from .workers import Worker, WorkerKind
@@ -168,21 +168,6 @@ def worker_url(scheme: str, address: IPAddress, port: int) -> str:
 def worker_id(kind: WorkerKind, url: str) -> str:
     """The id of a discovered worker: the same in every replica and process that finds it."""
     return "dns-" + hashlib.sha256(f"{kind.value} {url}".encode()).hexdigest()[:12]
-
-
-def unusable_address(address: IPAddress) -> str | None:
-    """Why an address from DNS can never be a worker, or None when it can."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if address.is_link_local:
-        return "link-local (the cloud metadata service lives there)"
-    if address.is_multicast:
-        return "multicast"
-    if address.is_unspecified:
-        return "unspecified"
-    if isinstance(address, ipaddress.IPv4Address) and address.is_reserved:
-        return "reserved"  # 240.0.0.0/4 and the broadcast address (IPv6's "reserved" ::/8 holds ::1)
-    return None
 
 
 class LookupFailed(Exception):

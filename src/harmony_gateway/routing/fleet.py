@@ -2,7 +2,10 @@
 
 Workers are added from the CLI, the worker API or DNS discovery (routing/dns_discovery.py). A worker is
 probed (model info, then health) before it takes traffic; a worker that cannot be reached at start-up
-stays pending and is probed again by the health checker, so the gateway can start before its engines.
+stays pending, logged as unreachable, and is probed again after `retry_interval` seconds, then twice as
+long after each failure up to `MAX_RETRY_INTERVAL` (`due_for_probe`), so the gateway can start before
+its engines without a warning every few seconds. One line says each worker that joins: its URL, the
+engine protocol found, and the model it serves.
 """
 
 from __future__ import annotations
@@ -11,15 +14,18 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..engines.base import EngineClient, ModelInfo, redact_url
-from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound
+from ..errors import Conflict, GatewayError, ModelNotFound, NoHealthyWorker, NotFound, UpstreamUnavailable
 from .policy import RoutingPolicy
 from .workers import Worker, WorkerKind
 
 log = logging.getLogger(__name__)
+
+#: The longest wait, in seconds, between two probes of a worker that has never answered.
+MAX_RETRY_INTERVAL = 60.0
 
 
 class SharedRegistry(Protocol):
@@ -70,7 +76,9 @@ class ModelGroup:
 class Fleet:
     """Worker registry. `policy_factory(model_name, role)` returns a routing policy for a new group;
     `admit` gives a worker without an engine of its own `default_engine`, and every worker it admits the
-    circuit-breaker cooldown `breaker_cooldown`."""
+    circuit-breaker cooldown `breaker_cooldown`. An unreachable worker is probed again after
+    `retry_interval` seconds, doubling up to `MAX_RETRY_INTERVAL`. `served_model_name` renames the
+    model the workers serve (every worker must then serve the same one)."""
 
     def __init__(
         self,
@@ -81,6 +89,8 @@ class Fleet:
         health_timeout: float = 2.0,
         default_engine: str = "auto",
         breaker_cooldown: float = 30.0,
+        retry_interval: float = 5.0,
+        served_model_name: str | None = None,
     ) -> None:
         self._client_factory = client_factory
         self._policy_factory = policy_factory
@@ -91,6 +101,10 @@ class Fleet:
         self.started_at = time.time()
         self._default_engine = default_engine
         self._breaker_cooldown = breaker_cooldown
+        self._retry_interval = retry_interval
+        self._served_model_name = served_model_name
+        #: The engines' name of the model `served_model_name` renames: the first worker's.
+        self._renamed_model: str | None = None
         self.groups: dict[str, ModelGroup] = {}
         self.workers: dict[str, Worker] = {}
         #: Called once a worker joins its model group (its first successful probe learnt its model and,
@@ -156,26 +170,75 @@ class Fleet:
                 worker.bootstrap_port = int(port)
 
     async def probe(self, worker: Worker) -> bool:
-        """Learn the worker's model (once) and check its health; attach it to its model group."""
+        """Learn the worker's model (once) and check its health; attach it to its model group. A worker
+        whose model cannot be learnt is logged as unreachable and its next probe put off (back-off)."""
         try:
             if worker.model_info is None:
-                worker.model_info = await worker.client.model_info(timeout=self._connect_timeout)
+                info = await worker.client.model_info(timeout=self._connect_timeout)
+                harmony = info.looks_harmony or info.served_model_name in self._harmony_models
+                info = self._served_as(worker, info)
                 # `--engine auto` clients know their protocol after the first call.
                 worker.engine = worker.client.engine
-                self._attach(worker)
+                worker.model_info = info
+                self._attach(worker, harmony)
             healthy = await worker.client.health(self._health_timeout)
         except GatewayError as exc:
-            log.warning("worker %s is not reachable: %s", worker.public_url, exc.message)
+            if worker.model_info is None:
+                self._unreachable(worker, exc.message)
+            else:
+                log.warning(
+                    "worker %s %s failed its health check: %s", worker.id, worker.public_url, exc.message
+                )
             healthy = False
         worker.healthy = healthy
         return healthy
 
-    def _attach(self, worker: Worker) -> None:
+    def due_for_probe(self, worker: Worker, now: float | None = None) -> bool:
+        """The worker's model is not known yet and its back-off has run out (`now`: `time.monotonic()`)."""
+        return (
+            worker.model_info is None and (time.monotonic() if now is None else now) >= worker.next_probe_at
+        )
+
+    def _unreachable(self, worker: Worker, reason: str) -> None:
+        worker.probe_failures += 1
+        worker.probe_error = reason
+        wait = min(MAX_RETRY_INTERVAL, self._retry_interval * 2 ** (worker.probe_failures - 1))
+        worker.next_probe_at = time.monotonic() + wait
+        tries = (
+            f"still unreachable after {worker.probe_failures} tries"
+            if worker.probe_failures > 1
+            else "unreachable"
+        )
+        log.warning(
+            "worker %s %s is %s: %s; trying again in %s s",
+            worker.id,
+            worker.public_url,
+            tries,
+            reason,
+            f"{wait:g}",
+        )
+
+    def _served_as(self, worker: Worker, info: ModelInfo) -> ModelInfo:
+        """`info` under `served_model_name`, when set. Raises UpstreamUnavailable for a worker that
+        serves another model than the first worker renamed: one name cannot stand for two models."""
+        if self._served_model_name is None:
+            return info
+        engine_name = info.served_model_name
+        if self._renamed_model is None:
+            self._renamed_model = engine_name
+        elif engine_name != self._renamed_model:
+            raise UpstreamUnavailable(
+                f"it serves {engine_name!r}, but --served-model-name {self._served_model_name!r} already "
+                f"stands for {self._renamed_model!r}"
+            )
+        return replace(info, served_model_name=self._served_model_name)
+
+    def _attach(self, worker: Worker, harmony: bool = False) -> None:
         info = worker.model_info
         assert info is not None
         group = self.groups.get(info.served_model_name)
         if group is None:
-            harmony = info.looks_harmony or info.served_model_name in self._harmony_models
+            harmony = harmony or info.looks_harmony or info.served_model_name in self._harmony_models
             group = ModelGroup(
                 name=info.served_model_name,
                 harmony=harmony,
@@ -185,9 +248,20 @@ class Fleet:
                 decode_policy=self._policy_factory(info.served_model_name, "decode"),
             )
             self.groups[group.name] = group
-            log.info("serving model %s (harmony=%s)", group.name, harmony)
         if worker not in group.workers:
             group.workers.append(worker)
+            kind = "" if worker.kind is WorkerKind.REGULAR else f" ({worker.kind.value})"
+            retried = f", after {worker.probe_failures} failed tries" if worker.probe_failures else ""
+            log.info(
+                "worker %s%s %s → %s → %s%s%s",
+                worker.id,
+                kind,
+                worker.public_url,
+                worker.engine,
+                group.name,
+                " (Harmony)" if group.harmony else "",
+                retried,
+            )
             for callback in self.on_worker_joined:
                 callback(worker)
 
@@ -213,7 +287,19 @@ class Fleet:
         group = self.groups.get(model)
         if group is not None:
             return group
-        if any(w.model_info is None for w in self.workers.values()):
+        pending = [w for w in self.workers.values() if w.model_info is None]
+        unreachable = sum(1 for w in pending if w.probe_failures)
+        if unreachable:
+            # The workers' addresses stay in the gateway's log: they are no business of the clients'.
+            workers = (
+                "a worker is unreachable, so the model it serves is"
+                if unreachable == 1
+                else f"{unreachable} workers are unreachable, so the models they serve are"
+            )
+            raise NoHealthyWorker(
+                f"model {model!r} is not available: {workers} not known yet; the gateway keeps trying"
+            )
+        if pending:
             raise NoHealthyWorker(f"model {model!r} is not available yet: workers are still starting")
         raise ModelNotFound(f"The model {model!r} does not exist", param="model")
 

@@ -59,12 +59,15 @@ class WorkerScore:
 
 @dataclass(slots=True)
 class _Sent:
-    """Requests sent to a worker since its engine's load record `record`: their uncached prompt tokens,
-    oldest first. The record does not count them yet; the next one does."""
+    """What changed on a worker since its engine's load record `record`, which the next record will
+    count: the requests sent there since (their uncached prompt tokens, oldest first), and how many of
+    the requests the record did count have finished since (`done`). Records come a scheduler tick after
+    the change, so without `done` a worker would look busy with a request it just finished."""
 
     record: EngineLoad
     tokens: deque[int]
     total: int = 0
+    done: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ class KvAwarePolicy(RoutingPolicy):
 
     For the prompt's `L` tokens, each available worker `w` costs
 
-        cost(w) = overlap_weight * (L - cached(w) + queued(w)) + decode_weight * active(w)
+        cost(w) = overlap_weight * (L - cached(w) + queue_weight * queued(w)) + decode_weight * active(w)
 
     in prompt-token equivalents: the prefill the prompt would leave on `w` (what its cache does not
     hold, behind what is already queued there) plus `decode_weight` tokens for each request already
@@ -118,6 +121,7 @@ class KvAwarePolicy(RoutingPolicy):
         self,
         *,
         overlap_weight: float = 1.0,
+        queue_weight: float = 1.0,
         decode_weight: float = 1024.0,
         load_max_age: float = 5.0,
         kv_pressure_threshold: float = 0.9,
@@ -130,6 +134,8 @@ class KvAwarePolicy(RoutingPolicy):
     ) -> None:
         if not overlap_weight >= 0.0:
             raise ValueError("overlap_weight must be 0 or more")
+        if not queue_weight >= 0.0:
+            raise ValueError("queue_weight must be 0 or more")
         if not decode_weight >= 0.0:
             raise ValueError("decode_weight must be 0 or more")
         if not load_max_age > 0.0:
@@ -140,6 +146,7 @@ class KvAwarePolicy(RoutingPolicy):
             raise ValueError("temperature must be 0 or more")
         check_balance_thresholds(balance_abs_threshold, balance_rel_threshold)
         self.overlap_weight = overlap_weight
+        self.queue_weight = queue_weight
         self.decode_weight = decode_weight
         self.load_max_age = load_max_age
         self.kv_pressure_threshold = kv_pressure_threshold
@@ -159,9 +166,7 @@ class KvAwarePolicy(RoutingPolicy):
         chosen = keyed or self._pick(scores, self._rng)
         self._routed.record(request, key, chosen.worker.id)
         if chosen.load_from == "engine" and chosen.worker.engine_load is not None:
-            self._count_sent(
-                chosen.worker.id, chosen.worker.engine_load, len(request.input_ids) - chosen.cached_tokens
-            )
+            self._count_sent(chosen.worker, len(request.input_ids) - chosen.cached_tokens)
         return chosen.worker
 
     def peek(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
@@ -191,10 +196,14 @@ class KvAwarePolicy(RoutingPolicy):
         return self._routed.tree.match(request.tenant, key, {w.id for w in workers})[0]
 
     def on_request_done(self, worker: Worker, request: RoutingRequest | None) -> None:
-        sent = self._sent.get(worker.id)
-        if sent is not None and sent.tokens:
-            # Its prefill is over, whichever request it was; the oldest sent is the likeliest.
+        sent = self._since_record(worker)
+        if sent is None:
+            return
+        if sent.tokens:
+            # Sent after the record, so not in it; whichever request it was, the oldest is the likeliest.
             sent.total -= sent.tokens.popleft()
+        else:
+            sent.done += 1  # one the record counts as running is over
 
     def on_worker_removed(self, worker: Worker) -> None:
         self._routed.remove_worker(worker.id)
@@ -232,7 +241,7 @@ class KvAwarePolicy(RoutingPolicy):
                 cached = recorded.get(worker.id, 0) if spill is None else 0
             cached = max(0, min(cached, prompt))
             cost = (
-                self.overlap_weight * (prompt - cached + load.queued_tokens)
+                self.overlap_weight * (prompt - cached + self.queue_weight * load.queued_tokens)
                 + self.decode_weight * load.active
             )
             scores.append(
@@ -268,7 +277,7 @@ class KvAwarePolicy(RoutingPolicy):
         active = record.running_requests + record.waiting_requests
         sent = self._sent.get(worker.id)
         if sent is not None and sent.record is record:
-            active += len(sent.tokens)
+            active = max(0, active + len(sent.tokens) - sent.done)
             queued += sent.total
         usage = record.active_token_usage if record.active_token_usage is not None else record.token_usage
         return _Load(active=max(active, worker.in_flight), queued_tokens=queued, kv_usage=usage, fresh=True)
@@ -291,10 +300,19 @@ class KvAwarePolicy(RoutingPolicy):
         weights = [math.exp(-(s.cost - least) / (spread * self.temperature)) for s in pool]
         return rng.choices(pool, weights=weights)[0]
 
-    def _count_sent(self, worker_id: str, record: EngineLoad, uncached: int) -> None:
-        sent = self._sent.get(worker_id)
+    def _since_record(self, worker: Worker) -> _Sent | None:
+        """The changes counted against the worker's current load record (None without one)."""
+        record = worker.engine_load
+        if record is None:
+            return None
+        sent = self._sent.get(worker.id)
         if sent is None or sent.record is not record:
-            sent = self._sent[worker_id] = _Sent(record, deque(maxlen=_MAX_SENT))
+            sent = self._sent[worker.id] = _Sent(record, deque(maxlen=_MAX_SENT))
+        return sent
+
+    def _count_sent(self, worker: Worker, uncached: int) -> None:
+        sent = self._since_record(worker)
+        assert sent is not None
         if len(sent.tokens) == _MAX_SENT:
             sent.total -= sent.tokens[0]
         sent.tokens.append(uncached)

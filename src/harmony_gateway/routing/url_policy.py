@@ -1,15 +1,22 @@
 """Which hosts a worker registered through the admin API may point at, and worker URLs without secrets.
 
-`POST /workers` makes the gateway send every prompt of a model to the URL it is given, so a URL is
-checked like an MCP `server_url` (netguard.py): its host must resolve to public addresses only, unless
-the host, or each address, is listed in `--worker-allow-hosts`. A request that arrived on the admin
-listener (`--admin-port`, loopback by default) is operator access: it may also name loopback and private
-addresses; link-local ones (169.254.169.254, the cloud metadata service), multicast and unspecified
-addresses stay refused unless listed. Workers given on the command line are trusted operator config and
-are not checked.
+`POST /workers` is the admin plane: the caller holds the admin credential, and engines run on private
+networks, so a worker URL may name public, private and loopback addresses alike. Two rules remain:
 
-Known limit, as for MCP: the engine client resolves the host again when it connects, so a DNS answer that
-changes after the check (rebinding) is not caught here; list addresses rather than names where it matters.
+- Addresses that can never be an engine are refused always, whatever `--worker-allow-hosts` says
+  (`netguard.unusable_address`): link-local ones (169.254.169.254, the cloud metadata service), the
+  other metadata addresses, multicast, unspecified and reserved ones. A host name is resolved and each
+  of its addresses checked, a listed name too.
+- `--worker-allow-hosts` narrows, it never opens: when given, the URL's host must be listed by name,
+  or each address it resolves to must be listed (an address or a CIDR network); anything else, public
+  addresses included, is refused. A listed name that does not resolve yet is accepted (the operator
+  named it); an unlisted one is refused.
+
+Workers given on the command line (`--worker-url`, `--worker-dns`) are trusted operator config and are
+not checked here.
+
+Known limit: the engine client resolves the host again when it connects, so a DNS answer that changes
+after the check (rebinding) is not caught here; list addresses rather than names where it matters.
 
 Credentials in a worker URL (`http://user:pass@host`) are the engine's business only: metrics, logs and
 API answers show `Worker.public_url` (routing/workers.py `redact_url`).
@@ -17,25 +24,27 @@ API answers show `Worker.public_url` (routing/workers.py `redact_url`).
 
 from __future__ import annotations
 
-import ipaddress
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from ..errors import InvalidRequest
-from ..netguard import HostAllowList, IPAddress, UnresolvableHost, is_public, resolve_host
+from ..netguard import HostAllowList, IPAddress, UnresolvableHost, resolve_host, unusable_address
+
+#: How a host becomes its addresses: `netguard.resolve_host` (host, port, timeout).
+Resolve = Callable[[str, int, float], Awaitable[list[IPAddress]]]
 
 _SCHEMES = ("grpc", "grpcs", "http", "https")
 
 
-def _operator_network(address: IPAddress) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return (address.is_loopback or address.is_private) and not address.is_link_local
+def _refused(message: str) -> InvalidRequest:
+    return InvalidRequest(message, param="url", code="worker_url_not_allowed")
 
 
 async def check_worker_url(
-    url: str, allow: HostAllowList, *, admin_listener: bool, timeout: float = 5.0
+    url: str, allow: HostAllowList, *, timeout: float = 5.0, resolve: Resolve = resolve_host
 ) -> None:
-    """Raise InvalidRequest (param `url`) unless the worker URL's host may be reached (see above)."""
+    """Raise InvalidRequest (param `url`, code `worker_url_not_allowed`) unless the worker URL's host may
+    be used (see above)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -50,22 +59,21 @@ async def check_worker_url(
             "a grpc:// worker URL cannot carry credentials (user:password@)", param="url", code="invalid_url"
         )
     host = parts.hostname
-    if allow.allows_name(host):
-        return
+    listed_name = allow.allows_name(host)
     try:
-        addresses = await resolve_host(host, port or 443, timeout)
+        addresses = await resolve(host, port or 443, timeout)
     except UnresolvableHost:
-        raise InvalidRequest(
-            f"the worker host {host!r} does not resolve", param="url", code="worker_url_not_allowed"
-        ) from None
+        if listed_name:
+            return
+        raise _refused(f"the worker host {host!r} does not resolve") from None
     for address in addresses:
-        if is_public(address) or allow.allows_address(address):
-            continue
-        if admin_listener and _operator_network(address):
-            continue
-        raise InvalidRequest(
-            f"worker host {host!r} resolves to the non-public address {address}; the gateway refuses it "
-            "unless the host is listed in --worker-allow-hosts",
-            param="url",
-            code="worker_url_not_allowed",
-        )
+        reason = unusable_address(address)
+        if reason is not None:
+            raise _refused(f"worker host {host!r} resolves to {address}, which is {reason}: never a worker")
+    if allow.empty or listed_name:
+        return
+    for address in addresses:
+        if not allow.allows_address(address):
+            raise _refused(
+                f"worker host {host!r} resolves to {address}, which --worker-allow-hosts does not list"
+            )

@@ -93,6 +93,11 @@ class Worker:
     discovered_by: str | None = None
     #: The prefix index built from the worker's KV events; None for a worker that publishes none.
     kv_index: PrefixIndex | None = None
+    #: Until the worker's model is known: the probes that failed in a row, the last one's reason, and
+    #: when (`time.monotonic()`) the next may run; each failure doubles the wait (routing/fleet.py).
+    probe_failures: int = 0
+    probe_error: str = ""
+    next_probe_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -67,7 +67,8 @@ class RelayTiming:
     backoff: float = 5.0
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """`value` as a protobuf base-128 varint (the length prefix of a pre-serialized field)."""
     out = bytearray()
     while True:
         low = value & 0x7F
@@ -82,7 +83,7 @@ def _varint(value: int) -> bytes:
 def _with_load(frame: bytes, record: common_pb2.EngineLoad) -> bytes:
     """`frame` (a `KvEventBatch` without `load`) with `record` as its field 8."""
     data = record.SerializeToString()
-    return frame + b"\x42" + _varint(len(data)) + data
+    return frame + b"\x42" + varint(len(data)) + data
 
 
 class _Shape:
@@ -591,3 +592,23 @@ __all__ = [
     "load_record",
     "token_usage",
 ]
+
+
+def scheduler_load(pb: Any, figures: LoadFigures, publisher: str) -> Any:
+    """Rank 0's `SchedulerLoad` of GetLoads in the SGLang or vLLM proto module `pb` (their messages are
+    spelled alike), from the figures the load records carry too."""
+    usage, _ = token_usage(figures, publisher)
+    return pb.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=figures.running,
+        num_waiting_reqs=figures.waiting,
+        num_total_reqs=figures.running + figures.waiting,
+        num_used_tokens=int(usage * figures.capacity_tokens),
+        max_total_num_tokens=figures.capacity_tokens,
+        token_usage=usage,
+        gen_throughput=figures.gen_throughput,
+        cache_hit_rate=figures.cache_hit_rate,
+        utilization=usage,
+        max_running_requests=figures.max_running_requests,
+        num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
+    )

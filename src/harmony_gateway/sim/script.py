@@ -17,6 +17,12 @@
 4. A prompt that ends inside an open assistant `final` message (`...<|start|>assistant<|channel|>final<|message|>`,
    as the gateway sends to continue after a reasoning budget) is continued: rule 3's answer text only, then
    `<|return|>`, with no analysis or header.
+5. The last user message asks for a context checkpoint (it says "context checkpoint", as the gateway's
+   compaction request and Codex's local compaction prompt do): an analysis message, then a final summary
+   quoting the earlier user messages (up to 60 characters each) and the last tool output (up to 200), with
+   the names of declared and called tools left out (so a client that hands the summary back as a user message does
+   not set off rule 2 again); triggers are read from the user message before the request. Continued as
+   in rule 4 when the prompt ends inside the summary's open `final` message.
 
 Triggers in the last user message exercise edge cases (`TRIGGERS`):
 `[[long]]` ~400-token analysis; `[[preamble]]` a recipient-less commentary message before the final;
@@ -97,6 +103,8 @@ _PARAM_RE = re.compile(r"^([^\s:?/|]+)(\?)?:\s*(.*)$")
 _WORD_AFTER_RE = re.compile(r"\b(?:for|in)\s+([^\s.,;:!?\"'()\[\]]+)(?:\s+([^\s.,;:!?\"'()\[\]]+))?", re.I)
 _TRIGGER_RE = re.compile(r"\[\[[a-z_]+\]\]")
 _ARTICLES = frozenset({"the", "a", "an"})
+#: What a request for a conversation summary says (rule 5).
+CHECKPOINT = "context checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +151,15 @@ class PromptSummary:
     open_channel: str = ""
     #: Recipients of the assistant's tool calls since the last user message, in order.
     called: tuple[str, ...] = ()
+    #: Every user message's text, in order (the last is `user_text`).
+    user_texts: tuple[str, ...] = ()
+    #: Recipients of every tool call the assistant made in the prompt.
+    ever_called: frozenset[str] = frozenset()
+
+    @property
+    def checkpoint(self) -> bool:
+        """The last user message asks for a context checkpoint (rule 5)."""
+        return self.last_role == "user" and CHECKPOINT in self.user_text.lower()
 
     @property
     def triggers(self) -> frozenset[str]:
@@ -440,6 +457,8 @@ class HarmonyScript:
         tool_output = ""
         open_channel = ""
         called: list[str] = []
+        user_texts: list[str] = []
+        ever_called: set[str] = set()
         for n, start in enumerate(starts):
             end = starts[n + 1] if n + 1 < len(starts) else len(ids)
             segment = ids[start + 1 : end]
@@ -459,18 +478,28 @@ class HarmonyScript:
                 tools.extend(self._declared_tools(author == "system", content))
             elif author == "user":
                 last_user = decode(content)
+                user_texts.append(last_user)
                 last_role = "user"
                 called.clear()
             elif author == "assistant":
                 recipient = _recipient_of(header)
                 if recipient:
                     called.append(recipient)
+                    ever_called.add(recipient)
             elif author not in _ROLES and author:
                 last_role = "tool"
                 tool_author = author
                 tool_output = decode(content)
         return PromptSummary(
-            last_role, last_user, tool_author, tool_output, tuple(tools), open_channel, tuple(called)
+            last_role,
+            last_user,
+            tool_author,
+            tool_output,
+            tuple(tools),
+            open_channel,
+            tuple(called),
+            tuple(user_texts),
+            frozenset(ever_called),
         )
 
     def _declared_tools(self, builtin: bool, content: list[int]) -> tuple[ToolSpec, ...]:
@@ -488,6 +517,8 @@ class HarmonyScript:
     # -- writing the reply --------------------------------------------------------------------------
 
     def reply_for(self, summary: PromptSummary, choice: int = 0) -> list[int]:
+        if summary.checkpoint:
+            return self._checkpoint(summary, choice)
         triggers = summary.triggers
         suffix = f" (choice {choice})" if choice else ""
         user = _clean_user_text(summary.user_text)
@@ -577,6 +608,40 @@ class HarmonyScript:
         self._final(draft, answer, triggers)
         return draft.finish(self._output_tokens)
 
+    def _checkpoint(self, summary: PromptSummary, choice: int) -> list[int]:
+        """Rule 5: a summary of the conversation before the request for it."""
+        earlier = summary.user_texts[:-1]
+        triggers = PromptSummary(user_text=earlier[-1]).triggers if earlier else frozenset()
+        if "[[junk]]" in triggers:
+            draft = _Draft()
+            draft.fixed(_special("<|message|><|message|>this is not harmony<|start|><|start|><|end|><|end|>"))
+            draft.fixed([RETURN])
+            return draft.finish(None)
+        declared = {tool.name for tool in summary.tools}
+        called = {recipient.rsplit(".", 1)[-1] for recipient in summary.ever_called}
+        names = sorted(declared | called, key=len, reverse=True)
+
+        def quoted(text: str, limit: int) -> str:
+            text = _clean_user_text(text)
+            for name in names:
+                text = re.sub(rf"(?<![\w.]){re.escape(name)}(?!\w)", "a tool", text)
+            return f'"{text[:limit]}"'
+
+        said = "; ".join(quoted(text, _ECHO_CHARS) for text in earlier) or "nothing"
+        text = f"Summary of the conversation: the user wrote {said}."
+        if summary.tool_output:
+            text += f" The last tool result was {quoted(summary.tool_output, _TOOL_OUTPUT_QUOTE)}."
+        if choice:
+            text += f" (choice {choice})"
+        draft = _Draft()
+        if summary.open_channel == "final":  # rule 4: the summary continued after a reasoning budget
+            draft.text(self._encode(text), _FINAL_FILLER)
+            draft.fixed([RETURN])
+            return draft.finish(self._output_tokens)
+        self._analysis(draft, "I am asked for a context checkpoint. I will summarize.", triggers)
+        self._final(draft, text, triggers)
+        return draft.finish(self._output_tokens)
+
     def _analysis(self, draft: _Draft, text: str, triggers: frozenset[str]) -> None:
         draft.fixed(_special("<|channel|>analysis<|message|>"))
         ids = self._encode(text)
@@ -641,6 +706,7 @@ class HarmonyScript:
 
 
 __all__ = [
+    "CHECKPOINT",
     "MALFORMED_TRIGGERS",
     "MISPLACED_TEXT",
     "TRIGGERS",

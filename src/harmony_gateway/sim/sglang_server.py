@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from .kv_relay import token_usage
+from .kv_relay import scheduler_load, varint
 from .server import ChoicePlan, ReceivedRequest, chunk_spans
 from .servicer import (
     KV_EVENT_STREAM,
@@ -108,7 +108,7 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 # Pre-serialized frames: a GenerateResponse body without field 1 (request_id) plus that
                 # field's bytes is the whole message, because concatenated protobuf messages merge.
                 raw_id = rid.encode()
-                prefix = b"\x0a" + _varint(len(raw_id)) + raw_id
+                prefix = b"\x0a" + varint(len(raw_id)) + raw_id
                 frames = {
                     plan.index: self._frames(plan, size, first_alone, prompt_tokens, cached) for plan in plans
                 }
@@ -274,21 +274,7 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetLoadsResponse:
         figures = self._core.figures()
-        usage, _ = token_usage(figures, "sglang")
-        load = pb.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=figures.running,
-            num_waiting_reqs=figures.waiting,
-            num_total_reqs=figures.running + figures.waiting,
-            num_used_tokens=int(usage * figures.capacity_tokens),
-            max_total_num_tokens=figures.capacity_tokens,
-            token_usage=usage,
-            gen_throughput=figures.gen_throughput,
-            cache_hit_rate=figures.cache_hit_rate,
-            utilization=usage,
-            max_running_requests=figures.max_running_requests,
-            num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
-        )
+        load = scheduler_load(pb, figures, "sglang")
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(),
             version=_VERSION,
@@ -298,9 +284,9 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
                 total_running_reqs=figures.running,
                 total_waiting_reqs=figures.waiting,
                 total_reqs=figures.running + figures.waiting,
-                avg_token_usage=usage,
+                avg_token_usage=load.token_usage,
                 avg_throughput=figures.gen_throughput,
-                avg_utilization=usage,
+                avg_utilization=load.token_usage,
             ),
         )
 
@@ -317,18 +303,6 @@ class SimSglangScheduler(SimServicer, pb_grpc.SglangSchedulerServicer):
     LoadLoRAAdapter = _unimplemented
     UnloadLoRAAdapter = _unimplemented
     ListLoadedLoRAAdapters = _unimplemented
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        low = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(low | 0x80)
-        else:
-            out.append(low)
-            return bytes(out)
 
 
 def add_to_server(servicer: SimSglangScheduler, server: grpc.aio.Server) -> None:

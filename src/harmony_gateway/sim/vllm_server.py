@@ -26,7 +26,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from .kv_relay import token_usage
+from .kv_relay import scheduler_load
 from .server import ChoicePlan, PromptRejected, ReceivedRequest, parse_kv_transfer_params
 from .servicer import (
     KV_EVENT_STREAM,
@@ -239,21 +239,7 @@ class SimVllmEngine(SimServicer, pb_grpc.VllmEngineServicer):
         self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetLoadsResponse:
         figures = self._core.figures()
-        usage, _ = token_usage(figures, "vllm")
-        load = pb.SchedulerLoad(
-            dp_rank=0,
-            num_running_reqs=figures.running,
-            num_waiting_reqs=figures.waiting,
-            num_total_reqs=figures.running + figures.waiting,
-            num_used_tokens=int(usage * figures.capacity_tokens),
-            max_total_num_tokens=figures.capacity_tokens,
-            token_usage=usage,
-            gen_throughput=figures.gen_throughput,
-            cache_hit_rate=figures.cache_hit_rate,
-            utilization=usage,
-            max_running_requests=figures.max_running_requests,
-            num_waiting_uncached_tokens=figures.waiting_uncached_tokens,
-        )
+        load = scheduler_load(pb, figures, "vllm")
         return pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(), version=_VERSION, dp_rank_count=1, loads=[load]
         )

@@ -27,8 +27,9 @@ from .generate.run import plan_generate
 from .generate.types import GenerateRequest
 from .messages.run import inspect_messages, plan_messages
 from .messages.types import MessagesRequest
+from .responses.service.compact import plan_compact
 from .responses.service.service import inspect_responses, plan_responses
-from .responses.types import ResponsesRequest
+from .responses.types import CompactRequest, ResponsesRequest
 
 Plan = Callable[[GatewayState, Any, RequestContext], Awaitable[Planned]]
 Inspect = Callable[[GatewayState, dict[str, Any], RequestContext, list[str]], Awaitable[PreparedRequest]]
@@ -52,6 +53,8 @@ class Surface:
     inspect: Inspect | None = None
     #: Other routes (method, path) of the surface that answer on its wire.
     also: tuple[tuple[str, str], ...] = ()
+    #: Whether it answers with a stream when asked (`stream: true`); else always with a JSON body.
+    streams: bool = True
 
 
 SURFACES: tuple[Surface, ...] = (
@@ -74,6 +77,17 @@ SURFACES: tuple[Surface, ...] = (
         "Create a response (OpenAI Responses API)",
         RESPONSES,
         inspect_responses,
+        also=(("POST", "/v1/responses/input_tokens"),),
+    ),
+    Surface(
+        "responses_compact",
+        "/v1/responses/compact",
+        CompactRequest,
+        plan_compact,
+        ("instructions", "input"),
+        "Compact a conversation into a summary the model wrote (OpenAI Responses API)",
+        RESPONSES,
+        streams=False,
     ),
     Surface(
         "messages",

@@ -130,7 +130,7 @@ class Admission:
             self.shared.give(index)
         else:
             self._free_local += 1
-        self._report()
+        self.report()
         self._dispatch()
 
     def _order(self, waiter: _Waiter, now: float) -> tuple[float, int]:
@@ -151,7 +151,7 @@ class Admission:
             self._remove(best)
             self.in_flight += 1
             best.future.set_result(index)
-        self._report()
+        self.report()
 
     def _remove(self, waiter: _Waiter) -> None:
         if waiter in self._waiters:
@@ -165,7 +165,7 @@ class Admission:
         if index is None:
             return None
         self.in_flight += 1
-        self._report()
+        self.report()
         return Slot(self, index, 0.0)
 
     async def acquire(self, priority: int = 0) -> Slot:
@@ -185,7 +185,7 @@ class Admission:
         started = time.monotonic()
         waiter = _Waiter(next(self._seq), priority, started, loop.create_future())
         self._waiters.append(waiter)
-        self._report()
+        self.report()
         self._queued.set()
         try:
             index = await asyncio.wait_for(asyncio.shield(waiter.future), self.queue_timeout)
@@ -196,7 +196,7 @@ class Admission:
                 Slot(self, waiter.future.result(), 0.0).release()
             else:
                 waiter.future.cancel()
-            self._report()
+            self.report()
             if isinstance(exc, TimeoutError):
                 self._refused("queue_timeout")
                 raise RateLimited(
@@ -226,7 +226,9 @@ class Admission:
         if self.metrics is not None:
             self.metrics.admission_refused.labels(reason=reason).inc()
 
-    def _report(self) -> None:
-        if self.metrics is not None:
-            self.metrics.admission_in_flight.set(self.in_flight)
-            self.metrics.admission_queue_depth.set(len(self._waiters))
+    def report(self) -> None:
+        """Set admission's gauges (`AdmissionGauges`) to the slots in use and the queue's length."""
+        gauges = self.metrics.admission_gauges if self.metrics is not None else None
+        if gauges is not None:
+            gauges.in_flight.set(self.in_flight)
+            gauges.queue_depth.set(len(self._waiters))

@@ -48,7 +48,7 @@ from ..tasks import TaskSupervisor
 from ..types.limits import LOOP_BODY_BYTES
 from ..wire import Wire, WiredRequest, error_headers
 from .admission import Admission, SharedSlots, Slot
-from .keys import KeyPolicy
+from .keys import KeyPolicy, KeyRing
 from .rate_limit import BucketState, LocalBuckets, RedisBuckets, headers_for
 from .routes import RouteCost, RouteMap, estimate_tokens
 
@@ -60,18 +60,11 @@ current_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("
 
 
 class TrafficMetrics(MetricSet):
-    """Admission and rate-limit metrics, on the app's `GatewayMetrics` registry."""
+    """Admission and rate-limit metrics, on the app's `GatewayMetrics` registry. The gauges of a
+    component exist only when it is configured (`AdmissionGauges` with `--max-concurrent-requests`,
+    `RateLimitStoreGauges` with a Redis `--rate-limit-store`): a gauge that reads 0 for something the
+    gateway does not run is a false alarm for any alert rule."""
 
-    admission_in_flight = gauge(
-        "gateway_admission_in_flight",
-        "Generation requests admitted and not finished",
-        multiprocess_mode="livesum",
-    )
-    admission_queue_depth = gauge(
-        "gateway_admission_queue_depth",
-        "Generation requests waiting for admission",
-        multiprocess_mode="livesum",
-    )
     admission_wait = histogram(
         "gateway_admission_wait_seconds",
         "Time admitted requests waited in the queue",
@@ -87,7 +80,32 @@ class TrafficMetrics(MetricSet):
         "Requests refused by a rate limit, by limit (requests, tokens)",
         ["limit"],
     )
-    rate_limit_store_up = gauge(
+
+    def __init__(self, registry: Any, *, admission: bool = False, shared_store: bool = False) -> None:
+        super().__init__(registry)
+        self.admission_gauges = AdmissionGauges(registry) if admission else None
+        self.store_gauges = RateLimitStoreGauges(registry) if shared_store else None
+
+
+class AdmissionGauges(MetricSet):
+    """Admission's gauges: only on a gateway with a concurrency limit."""
+
+    in_flight = gauge(
+        "gateway_admission_in_flight",
+        "Generation requests admitted and not finished",
+        multiprocess_mode="livesum",
+    )
+    queue_depth = gauge(
+        "gateway_admission_queue_depth",
+        "Generation requests waiting for admission",
+        multiprocess_mode="livesum",
+    )
+
+
+class RateLimitStoreGauges(MetricSet):
+    """The shared rate-limit store's gauge: only on a gateway whose budgets live in Redis."""
+
+    up = gauge(
         "gateway_rate_limit_store_up",
         "1 while the shared rate-limit store (Redis) answers, 0 while budgets are per process",
         multiprocess_mode="min",
@@ -155,6 +173,12 @@ class Ticket:
     async def _charge(self, limit: int, tokens: int) -> None:
         await self._control.buckets.run(f"{self.identity}:tokens", limit, "charge", tokens)
 
+    def free_slot(self) -> None:
+        """Give the admission slot back now (the response's last byte is out), ahead of `settle`."""
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            slot.release()
+
     async def settle(self) -> None:
         if self.settled:
             return
@@ -178,10 +202,13 @@ class TrafficControl:
         shared_slots_path: str | None = None,
         *,
         tasks: TaskSupervisor,
+        keys: KeyRing | None = None,
     ) -> None:
         self.settings = settings
+        #: The tenant keys in force (a key file reload changes them).
+        self.keys = keys if keys is not None else KeyRing.from_settings(settings)
         self.tasks = tasks
-        self.metrics = TrafficMetrics(registry) if registry is not None else None
+        self.metrics: TrafficMetrics | None = None
         self.admission: Admission | None = None
         if settings.max_concurrent_requests:
             shared = (
@@ -194,19 +221,15 @@ class TrafficControl:
                 settings.queue_size,
                 settings.queue_timeout,
                 shared=shared,
-                metrics=self.metrics,
             )
         self.buckets: LocalBuckets | RedisBuckets = (
-            RedisBuckets(settings.rate_limit_store, metrics=self.metrics)
-            if settings.rate_limit_store
-            else LocalBuckets()
+            RedisBuckets(settings.rate_limit_store) if settings.rate_limit_store else LocalBuckets()
         )
-        self.limits_on = bool(
-            settings.rate_limit
-            or settings.token_rate_limit
-            or any(p.rate_limit or p.token_rate_limit for p in settings.key_policies.values())
-        )
+        if registry is not None:
+            self.attach_metrics(registry)
         self.draining = False
+        #: Set when the drain begins: long-lived connections (Responses WebSockets) close then.
+        self.drain_begun = asyncio.Event()
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -215,13 +238,25 @@ class TrafficControl:
         #: Running background responses (set by the app): the drain waits for them too.
         self.background_running: Callable[[], int] = lambda: 0
 
-    def attach_metrics(self, metrics: TrafficMetrics) -> None:
+    @property
+    def limits_on(self) -> bool:
+        """Some budget applies: a gateway-wide limit, or a key's own (which a key file reload may add)."""
+        return bool(self.settings.rate_limit or self.settings.token_rate_limit or self.keys.has_limits)
+
+    def attach_metrics(self, registry: Any) -> None:
+        """Record on `registry` (the app's `GatewayMetrics.registry`): counters always, the gauges of
+        what is configured (admission, a shared rate-limit store) only."""
+        redis = self.buckets if isinstance(self.buckets, RedisBuckets) else None
+        metrics = TrafficMetrics(
+            registry, admission=self.admission is not None, shared_store=redis is not None
+        )
         self.metrics = metrics
         if self.admission is not None:
             self.admission.metrics = metrics
-        if isinstance(self.buckets, RedisBuckets):
-            self.buckets.metrics = metrics
-            metrics.rate_limit_store_up.set(1 if self.buckets.up else 0)
+            self.admission.report()
+        if redis is not None:
+            redis.gauges = metrics.store_gauges
+            redis.report()
 
     def request_limit(self, policy: KeyPolicy | None) -> int | None:
         return (policy.rate_limit if policy and policy.rate_limit else None) or self.settings.rate_limit
@@ -235,14 +270,14 @@ class TrafficControl:
         """The budget's owner: the API key's id, or the client address when the gateway has no keys;
         None for an unknown key (the route answers 401). The principal found is kept on the request
         (`state.principal`), so the route does not authenticate twice."""
-        principal = authenticate(self.settings, headers)
+        principal = authenticate(self.keys, headers)
         if principal is None:
             return None, None
         scope.setdefault("state", {})["principal"] = principal
         if not principal.key_id:
             client = scope.get("client")
             return f"addr:{client[0] if client else 'unknown'}", None
-        return f"key:{principal.key_id}", self.settings.key_policies.get(presented_key(headers))
+        return f"key:{principal.key_id}", self.keys.key_policies.get(presented_key(headers))
 
     def priority(self, policy: KeyPolicy | None) -> int:
         return policy.priority if policy is not None and policy.priority is not None else 0
@@ -286,6 +321,12 @@ class TrafficControl:
 
     # -- drain ---------------------------------------------------------------------------------
 
+    def refuse_draining(self) -> Overloaded:
+        """The refusal of a request that arrives while draining (counted)."""
+        if self.metrics is not None:
+            self.metrics.admission_refused.labels(reason="draining").inc()
+        return Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
+
     def _enter(self, scope: anyio.CancelScope) -> None:
         self.in_flight += 1
         self._scopes.add(scope)
@@ -300,6 +341,7 @@ class TrafficControl:
     def begin_drain(self) -> None:
         if not self.draining:
             self.draining = True
+            self.drain_begun.set()
             log.warning(
                 "draining: refusing new requests; %d in flight finish within %gs",
                 self.in_flight,
@@ -381,11 +423,8 @@ class TrafficMiddleware(HttpMiddleware):
             await self.app(scope, receive, send)
             return
         if control.draining:
-            if control.metrics is not None:
-                control.metrics.admission_refused.labels(reason="draining").inc()
             status[0] = 503
-            exc = Overloaded("the gateway is shutting down; retry on another replica", code="shutting_down")
-            await _send_error(send, wire, exc, request_id, [(b"connection", b"close")])
+            await _send_error(send, wire, control.refuse_draining(), request_id, [(b"connection", b"close")])
             return
         # Counted from here, queued or running: the drain waits for every request it did not refuse,
         # and past its timeout cancels this scope.
@@ -628,6 +667,8 @@ async def _acquire_watching(
 
 
 __all__ = [
+    "AdmissionGauges",
+    "RateLimitStoreGauges",
     "Ticket",
     "TrafficControl",
     "TrafficMetrics",

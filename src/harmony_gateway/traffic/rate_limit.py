@@ -134,12 +134,13 @@ return {allowed, tostring(level)}
 class RedisBuckets:
     """Buckets in Redis under `prefix`, with local buckets as the fallback while Redis is down."""
 
-    def __init__(self, url: str, *, prefix: str = "harmony-gateway:rl:", metrics: Any = None) -> None:
+    def __init__(self, url: str, *, prefix: str = "harmony-gateway:rl:") -> None:
         import redis.asyncio as redis  # lazy: redis (~9 MB) only with a Redis rate-limit store
 
         self.url = url
         self.prefix = prefix
-        self.metrics = metrics
+        #: The store's `RateLimitStoreGauges` (traffic/middleware.py), once the app has metrics.
+        self.gauges: Any = None
         self.local = LocalBuckets()
         self._client = redis.Redis.from_url(
             url,
@@ -163,8 +164,12 @@ class RedisBuckets:
                     reason,
                 )
         self.up = up
-        if self.metrics is not None:
-            self.metrics.rate_limit_store_up.set(1 if up else 0)
+        self.report()
+
+    def report(self) -> None:
+        """Set the store's gauge to whether Redis answers."""
+        if self.gauges is not None:
+            self.gauges.up.set(1 if self.up else 0)
 
     @property
     def _where(self) -> str:

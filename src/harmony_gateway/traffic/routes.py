@@ -53,12 +53,13 @@ ROUTE_COSTS: dict[tuple[str, str], RouteCost] = {
     ("POST", "/v1/harmony/render"): TOKENIZING,
     ("POST", "/v1/harmony/parse"): TOKENIZING,
     ("POST", "/v1/messages/count_tokens"): TOKENIZING,
+    ("POST", "/v1/responses/input_tokens"): TOKENIZING,
     ("POST", "/v1/responses/{response_id}/cancel"): RELEASE,
 }
 
 #: Outside traffic control, reviewed: probes that orchestrators and scrapers call on a schedule (they
-#: must answer while a tenant is limited), and the playground's static page and files, which hold
-#: nothing per tenant. (method, path template as registered with the app.)
+#: must answer while a tenant is limited), and the playground's static page and files and the favicon,
+#: which hold nothing per tenant. (method, path template as registered with the app.)
 UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
     {
         ("GET", "/health"),
@@ -67,6 +68,7 @@ UNCONTROLLED: frozenset[tuple[str, str]] = frozenset(
         ("GET", "/"),
         ("GET", "/playground"),
         ("GET", "/playground/static/{name}"),
+        ("GET", "/favicon.ico"),
     }
 )
 
@@ -135,7 +137,12 @@ def estimate_tokens(body: bytes, request: Any) -> int:
     (`max_completion_tokens`, `max_output_tokens`, `max_tokens`, SGLang's `sampling_params.max_new_tokens`;
     `DEFAULT_OUTPUT_RESERVATION` without one) for each of its `n` choices. `request` is the decoded body,
     or None when it is not a JSON object (the route then answers 400 and the reservation is returned)."""
-    prompt = math.ceil(len(body) / BYTES_PER_TOKEN)
+    return estimate_tokens_of_size(len(body), request)
+
+
+def estimate_tokens_of_size(size: int, request: Any) -> int:
+    """`estimate_tokens` of a body of `size` bytes (or characters: a message read as text)."""
+    prompt = math.ceil(size / BYTES_PER_TOKEN)
     fields: dict[str, Any] = request if isinstance(request, dict) else {}
     sampling = fields.get("sampling_params")
     scopes = [fields, sampling] if isinstance(sampling, dict) else [fields]
@@ -163,5 +170,6 @@ __all__ = [
     "RouteCost",
     "RouteMap",
     "estimate_tokens",
+    "estimate_tokens_of_size",
     "route_cost",
 ]

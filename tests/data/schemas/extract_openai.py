@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-#: The objects the gateway sends on the Responses and Conversations routes, and the WebSocket events.
+#: The objects the gateway sends on the Responses and Conversations routes, the WebSocket events, and the
+#: request bodies of the token-count and compaction routes.
 ROOTS = (
     "Response",
     "ResponseStreamEvent",
@@ -24,7 +25,9 @@ ROOTS = (
     "ConversationItem",
     "DeletedConversationResource",
     "ErrorResponse",
+    "TokenCountsBody",
     "TokenCountsResource",
+    "CompactResponseMethodPublicBody",
     "CompactResource",
     "ResponsesClientEvent",
     "ResponsesServerEvent",

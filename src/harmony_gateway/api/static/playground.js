@@ -40,6 +40,7 @@ const state = {
   pendingCalls: [],         // function calls waiting for a result: {id, name, arguments}
   controller: null,
   busy: false,
+  modelsError: null,        // why the model list could not be loaded (a GatewayError), if it could not
 };
 
 // -- HTTP -----------------------------------------------------------------------------------------
@@ -504,13 +505,17 @@ function responsesRequest(input) {
   return request;
 }
 
-function send(event) {
+async function send(event) {
   if (event) event.preventDefault();
   const text = el.message.value.trim();
   if (!text || state.busy) return;
   if (!el.model.value) {
-    showError("No model is available yet: check the API key or the gateway's workers.");
-    return;
+    await loadModels(); // a worker may have joined, or a key been entered, since the page loaded
+    if (!el.model.value) {
+      // loadModels has said why (a key is needed, no worker yet); the message stays in its box.
+      if (state.modelsError && state.modelsError.status === 401) el.key.focus();
+      return;
+    }
   }
   let api;
   let request;
@@ -630,16 +635,26 @@ async function loadModels() {
       el.model.append(option);
     }
     if (current) el.model.value = current;
+    state.modelsError = null;
     clearError();
     if (!models.data.length) showError("The gateway serves no model yet: add a worker.");
   } catch (err) {
+    state.modelsError = err;
     if (err.status === 401) {
-      el.keyLabel.hidden = false;
-      showError(err.message);
+      askForKey();
     } else {
       showError(`Cannot list models: ${err.message}`);
     }
   }
+}
+
+// The gateway has API keys and the page holds none, or one the gateway refused (401 on /v1/models).
+function askForKey() {
+  el.keyLabel.hidden = false;
+  const refused = Boolean(sessionStorage.getItem(KEY_STORAGE));
+  showError(refused
+    ? "401: The gateway refused this API key. Enter a valid key in the API key field above."
+    : "401: The gateway needs an API key. Enter it in the API key field above.");
 }
 
 function init() {

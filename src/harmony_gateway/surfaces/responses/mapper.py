@@ -16,6 +16,7 @@ from ...mcp.approval import declined_text
 from ...mcp.tool_loop import error_text
 from ..harmony_history import HarmonyHistory
 from .client_tools import LOCAL_SHELL, local_shell_arguments
+from .compaction import summary_message
 
 ITEM_PREFIXES = {
     "message": "msg",
@@ -33,6 +34,7 @@ ITEM_PREFIXES = {
     "local_shell_call_output": "lsho",
     "code_interpreter_call": "ci",
     "item_reference": "ref",
+    "compaction": "cmp",
 }
 TEXT_PARTS = {"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"}
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
@@ -166,6 +168,13 @@ def normalize_items(
                 raise InvalidRequest(
                     "mcp_approval_response items need a boolean 'approve'", param=f"{where}.approve"
                 )
+        elif kind == "compaction":
+            sealed = item.get("encrypted_content")
+            if not isinstance(sealed, str) or not sealed:
+                raise InvalidRequest(
+                    "compaction items need the 'encrypted_content' a compaction produced",
+                    param=f"{where}.encrypted_content",
+                )
         elif kind == "item_reference" and not references:
             raise InvalidRequest(
                 "conversation items are stored as sent: send the item itself, not an item_reference",
@@ -278,11 +287,14 @@ def items_to_messages(
     resolve_reference: Any = None,
     mcp_replay: Any = None,
     open_reasoning: Any = None,
+    open_summary: Any = None,
 ) -> list[Msg]:
     """Map items to Harmony messages. Leading system/developer messages go to `leading_instructions`
     when that list is given (they become the developer message's instructions). `open_reasoning(blob,
     param=...)` decrypts a reasoning item's `encrypted_content` (`reasoning_store.ReasoningVault.open`);
-    without it such items render from their `content`."""
+    without it such items render from their `content`. `open_summary(blob, param=...)` opens a compaction
+    item's (`ReasoningVault.open_summary`), which then renders as its summary (`compaction.py`); without
+    it a compaction item is refused."""
     history = HarmonyHistory(leading_instructions)
     for i, item in enumerate(items):
         where = f"{param}[{i}]"
@@ -293,15 +305,26 @@ def items_to_messages(
         if item.get("type") == "message" and item["role"] in ("system", "developer"):
             history.system(part_text(item.get("content")))
         else:
-            history.add(*_item_messages(item, where, call_names, mcp_replay, open_reasoning))
+            history.add(*_item_messages(item, where, call_names, mcp_replay, open_reasoning, open_summary))
     return history.messages
 
 
 def _item_messages(
-    item: dict[str, Any], where: str, call_names: dict[str, str], mcp_replay: Any, open_reasoning: Any
+    item: dict[str, Any],
+    where: str,
+    call_names: dict[str, str],
+    mcp_replay: Any,
+    open_reasoning: Any,
+    open_summary: Any,
 ) -> list[Msg]:
     """The Harmony messages of one item other than a system or developer message (`items_to_messages`)."""
     kind = item.get("type")
+    if kind == "compaction":
+        param = f"{where}.encrypted_content"
+        if open_summary is None:
+            raise InvalidRequest("compaction items cannot be used here", param=param)
+        # Sealed by this gateway for this tenant: a changed or foreign blob is a 400, never ignored.
+        return [summary_message(open_summary(item.get("encrypted_content"), param=param))]
     if kind == "message":
         text = part_text(item.get("content"))
         if item["role"] == "user":

@@ -24,7 +24,14 @@ _dumps = orjson.dumps
 
 
 def frame(event: dict[str, Any]) -> bytes:
+    """An event as an SSE frame (a stream's body)."""
     return encoded_event_frame(event["type"], _dumps(event))
+
+
+def json_line(event: dict[str, Any]) -> bytes:
+    """An event as one line of JSON (a WebSocket turn: one message per line). JSON as orjson writes it
+    never holds a raw newline, so a line is always one whole event."""
+    return _dumps(event) + b"\n"
 
 
 _NOT_COMPLETED = {"type": "http_error", "code": 499, "message": "the call was not completed"}
@@ -75,12 +82,14 @@ def browser_action(recipient: str, arguments: str) -> dict[str, Any]:
 
 
 class ResponseBuilder:
-    """Accumulates one response's output items and, when streaming, its SSE frames."""
+    """Accumulates one response's output items and, when streaming, its frames (`encode`)."""
 
     def __init__(
         self, envelope: dict[str, Any], *, stream: bool, sequence_start: int = 0, record: bool = False
     ) -> None:
         self.envelope = envelope  # the Response object without output/status/usage
+        #: How a streamed event becomes bytes: an SSE frame, or a line of JSON on a WebSocket.
+        self.encode: Callable[[dict[str, Any]], bytes] = frame
         self.output: list[dict[str, Any]] = []
         self.stream = stream or record
         self.sequence = sequence_start
@@ -121,7 +130,7 @@ class ResponseBuilder:
             if self.events is not None:
                 self.events.append((event, frame(event)))
             else:
-                self.frames.append(frame(event))
+                self.frames.append(self.encode(event))
 
     def ready(self) -> bool:
         """True when events were emitted since the last `take` / `take_events`."""

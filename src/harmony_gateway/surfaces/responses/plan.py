@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ...engines.base import EngineChunk, take_counts
 from ...errors import Conflict, InvalidRequest, NotFound
@@ -64,10 +64,11 @@ from ...pipeline.prepare import (
     utc_date,
 )
 from ...pipeline.reasoning_store import reasoning_vault, vault_for, wants_encrypted_reasoning
-from ...storage.base import item_sizes, size_of
+from ...storage.base import RecentChain, item_sizes, size_of
 from ...types.limits import MAX_SCHEMA_CHARS, MAX_TOOL_DESCRIPTION_CHARS, schema_too_large
 from ..chat.upstream import require_token_engine
 from .client_tools import CLIENT_TOOL_KINDS, client_tool
+from .compaction import compact_threshold, compacted, compacted_split, holds_summary
 from .history_window import history_byte_budget, history_too_long, newest_that_fit, truncates
 from .mapper import McpReplay, call_names_of, items_to_messages, new_id, normalize_items
 from .objects import response_envelope, usage_of
@@ -81,6 +82,15 @@ log = logging.getLogger(__name__)
 ROOT_KEY = "_root"
 #: Private `StoredResponse.metadata` key: the system message date of the chain's first turn, inherited.
 DATE_KEY = "_date"
+
+
+class ChainReader(Protocol):
+    """Where a turn reads its `previous_response_id` chain: the store (`Store.load_recent_chain`), or a
+    WebSocket's own cache in front of it (`socket.SocketCache`)."""
+
+    async def load_recent_chain(
+        self, response_id: str, owner: str, *, max_bytes: int | None, max_depth: int = 100
+    ) -> RecentChain: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -132,6 +142,14 @@ class ResponsePlan:
     turn: Turn | None = None
     #: The items this input's `item_reference`s point at, by id.
     references: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: `context_management` compaction: the prompt size past which the conversation is compacted before
+    #: a generation (service/turns.py `compact_if_due`); None without it.
+    compact_threshold: int | None = None
+
+    def messages(self) -> list[Msg]:
+        """The conversation so far, as the model sees it: history, this input, what this response
+        generated and ran, after compaction and the analysis drop rule."""
+        return drop_old_analysis(compacted(self.history + self.turn_messages + self.generated))
 
     def listed_inputs(self) -> list[dict[str, Any]]:
         """The input items as `input_items` lists them: a reference as the item it points at."""
@@ -312,10 +330,19 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
 
 
 @traced("gateway.prepare")
-async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: RequestContext) -> ResponsePlan:
-    """Validate, load the chain or conversation, map items to Harmony, and open the request's tools
-    (connect, list: failures are HTTP errors). The prompt is rendered by `begin`. On any error the tools
-    opened so far are closed."""
+async def prepare_responses(
+    state: GatewayState,
+    req: ResponsesRequest,
+    ctx: RequestContext,
+    *,
+    chains: ChainReader | None = None,
+    render: bool = True,
+) -> ResponsePlan:
+    """Validate, load the chain (from `chains`, the store by default) or conversation, map items to
+    Harmony, and open the request's tools (connect, list: failures are HTTP errors). The prompt is
+    rendered here (a prompt over the context is a 400), or by `begin` when approved calls must run
+    first; with `render=False` not at all (a compaction renders its own). On any error the tools opened
+    so far are closed."""
     store = state.store
     if req.background and not req.store:
         raise InvalidRequest("background responses must be stored: set store to true", param="background")
@@ -348,6 +375,7 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     items = normalize_items(req.input)
     truncate = truncates(req.truncation)
     context_tokens = group.info.max_context_length
+    threshold = compact_threshold(req.context_management, context_tokens)
 
     # History: the previous_response_id chain, or the conversation's items.
     history: list[Msg] = []
@@ -356,12 +384,13 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
     chain_root: str | None = None
     if req.previous_response_id:
         # Only the newest responses the context could show are read (surfaces/responses/history_window.py).
-        recent_chain = await store.load_recent_chain(
+        recent_chain = await (chains or store).load_recent_chain(
             req.previous_response_id, ctx.owner, max_bytes=history_byte_budget(context_tokens)
         )
-        if recent_chain.omitted and not truncate:
-            raise history_too_long(context_tokens)
         chain = recent_chain.responses
+        if recent_chain.omitted and not truncate and not any(holds_summary(r.history) for r in chain):
+            # Older responses than a summary are left out anyway, but for their user messages.
+            raise history_too_long(context_tokens)
         if chain[-1].status in ("queued", "in_progress"):
             # Its output is not known yet: continuing now would silently drop it from the history.
             raise Conflict(
@@ -391,7 +420,11 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         )
         if recent is None:
             raise NotFound(f"Conversation with id {conversation_id!r} not found", param="conversation")
-        if recent.omitted and not truncate:
+        if (
+            recent.omitted
+            and not truncate
+            and not any(item.get("type") == "compaction" for item in recent.items)
+        ):
             raise history_too_long(context_tokens)
         conversation_items = recent.items
         known_items.extend(conversation_items)
@@ -408,9 +441,17 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         references[item_id] = item
         return item
 
+    vault = await vault_for(state, ctx.owner, req.include, items, conversation_items)
+    open_summary = vault.open_summary if vault is not None else None
     if conversation_items:
         history.extend(
-            items_to_messages(conversation_items, call_names, param="conversation", mcp_replay=McpReplay())
+            items_to_messages(
+                conversation_items,
+                call_names,
+                param="conversation",
+                mcp_replay=McpReplay(),
+                open_summary=open_summary,
+            )
         )
     approval_ids = await approval_ids_of(state, ctx.owner) if requested or answers_approvals(items) else None
     decisions = match_approvals(items, known_items, approval_ids) if approval_ids is not None else []
@@ -423,7 +464,6 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         placeholders[decision.request_id] = placeholder
         approvals.append((decision, placeholder))
     extra_instructions: list[str] = []
-    vault = await vault_for(state, ctx.owner, req.include, items, conversation_items)
     turn = items_to_messages(
         items,
         call_names,
@@ -431,7 +471,10 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
         resolve_reference=resolve,
         mcp_replay=McpReplay(placeholders),
         open_reasoning=vault.open if vault is not None else None,
+        open_summary=open_summary,
     )
+    # A summary (a compaction item, here or in the history) stands for what came before it.
+    history, turn = compacted_split(history, turn)
     instructions = "\n\n".join(x for x in [req.instructions, *extra_instructions] if x) or None
 
     loop: ToolLoop | None = None
@@ -516,8 +559,9 @@ async def prepare_responses(state: GatewayState, req: ResponsesRequest, ctx: Req
             seal_reasoning=vault.seal
             if vault is not None and wants_encrypted_reasoning(req.include)
             else None,
+            compact_threshold=threshold,
         )
-        if not approvals:
+        if render and not approvals:
             await render_turn(state, plan)  # early: a prompt over the context is a 400, not a stream
         return plan
     except BaseException:
@@ -576,8 +620,9 @@ def remaining_budget(plan: ResponsePlan) -> int | None:
 
 async def render_turn(state: GatewayState, plan: ResponsePlan) -> None:
     """Render the conversation so far (history, this input, what this response generated and ran)."""
-    full = drop_old_analysis(plan.history + plan.turn_messages + plan.generated)
-    prepared = await render_prompt(state, plan.prepared, full, remaining_budget(plan), param="input")
+    prepared = await render_prompt(
+        state, plan.prepared, plan.messages(), remaining_budget(plan), param="input"
+    )
     prepared.max_reasoning_tokens = remaining_reasoning(plan)
     plan.prepared = prepared
 

@@ -55,6 +55,9 @@ class ResponsesRequest(OpenModel):
     text: dict[str, Any] | None = None
     truncation: str | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    #: `[{"type": "compaction", "compact_threshold": N}]`: compact the conversation first when its prompt
+    #: passes N tokens (surfaces/responses/compaction.py).
+    context_management: list[Any] | None = None
 
     def conversation_id(self) -> str | None:
         if self.conversation is None:
@@ -78,3 +81,32 @@ class ConversationItemsCreate(OpenModel):
     items: Annotated[list[dict[str, Any]], at_most(MAX_ITEMS_PER_CONVERSATION_CALL, "items")] = Field(
         min_length=1
     )
+
+
+class CompactRequest(OpenModel):
+    """`POST /v1/responses/compact` (OpenAI's `CompactResponseMethodPublicBody`). `prompt_cache_retention`,
+    `prompt_cache_options` and `service_tier` are accepted and ignored; `model` may be null when the
+    gateway serves one Harmony model."""
+
+    model: str | None
+    input: Annotated[str | list[dict[str, Any]] | None, at_most(MAX_MESSAGES, "input items")] = None
+    previous_response_id: str | None = None
+    instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
+    prompt_cache_key: str | None = None
+
+
+class InputTokensRequest(OpenModel):
+    """`POST /v1/responses/input_tokens` (OpenAI's `TokenCountsBody`): what a `POST /v1/responses` with
+    these fields would send the model. `personality` is accepted and ignored (gpt-oss has none)."""
+
+    model: str | None = None
+    input: Annotated[str | list[dict[str, Any]] | None, at_most(MAX_MESSAGES, "input items")] = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    instructions: str | None = Field(default=None, max_length=MAX_INSTRUCTIONS_CHARS)
+    tools: Annotated[list[ResponsesTool] | None, at_most(MAX_TOOLS, "tools")] = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: ReasoningConfig | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None

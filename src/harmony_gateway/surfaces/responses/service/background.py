@@ -94,7 +94,7 @@ async def _run_background(
         builder.announce_in_progress()
         await feed.publish(builder.take_events())
         try:
-            await begin(state, plan, builder)
+            await begin(state, plan, builder, ctx)
         except BaseException:
             await plan.close_tools()
             raise
@@ -138,6 +138,11 @@ async def _run_background(
         await run_cleanups(ctx)  # this task's own engine streams
         if state.metrics is not None:
             state.metrics.observe_harmony(plan.parsers)
+            # Its request was recorded when it was queued, before any token: the tokens count here.
+            usage = plan.usage()
+            state.metrics.observe_tokens(
+                ctx.principal, plan.prepared.group.name, usage["input_tokens"], usage["output_tokens"]
+            )
 
 
 async def _end_cancelled(

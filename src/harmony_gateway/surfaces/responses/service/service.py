@@ -11,7 +11,7 @@ from ....pipeline.context import GatewayState, PreparedRequest, RequestContext
 from ....pipeline.drive import Generation, Planned, open_generation
 from ..framer import ResponsesFramer, finish_response, persist
 from ..output import ResponseBuilder
-from ..plan import prepare_responses, render_turn
+from ..plan import ResponsePlan, prepare_responses, render_turn
 from ..types import ResponsesRequest
 from .background import start_background
 from .turns import begin, turns
@@ -27,21 +27,35 @@ async def plan_responses(state: GatewayState, req: ResponsesRequest, ctx: Reques
         except BaseException:
             await plan.close_tools()
             raise
-    ctx.parsers = plan.parsers  # filled per iteration, read once by finish_request
-    builder = ResponseBuilder(plan.envelope, stream=req.stream)
+    return generation_of(state, plan, new_builder(plan, stream=req.stream), ctx)
+
+
+def new_builder(plan: ResponsePlan, *, stream: bool) -> ResponseBuilder:
+    """The builder of a response that runs now (a stream, a JSON body or a WebSocket turn)."""
+    builder = ResponseBuilder(plan.envelope, stream=stream)
     builder.seal_reasoning = plan.seal_reasoning  # hook: encrypted reasoning items
+    return builder
+
+
+def generation_of(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
+) -> Generation[Any]:
+    """The response's run through the driver: its turns framed by `ResponsesFramer` into `builder`'s
+    frames (a stream: SSE or a WebSocket's lines, `builder.encode`) or into its JSON body."""
+    ctx.parsers = plan.parsers  # filled per iteration, read once by finish_request
     framer = ResponsesFramer(state, plan, builder, ctx)
+    stream = builder.stream
 
     async def open_turns() -> AsyncIterator[Any]:
-        if req.stream:
+        if stream:
             builder.start()
         # tool listings, approved calls, then the Harmony prompt
-        await begin(state, plan, builder)
+        await begin(state, plan, builder, ctx)
         ctx.prompt_tokens = len(plan.prepared.input_ids)
         # Wait for the first chunk so early failures are HTTP errors. A non-stream response without
         # gateway tools takes the engine's output in one message: one gRPC message instead of one per
         # token, the same tokens.
-        engine_stream = req.stream or plan.tools is not None
+        engine_stream = stream or plan.tools is not None
         first = await open_generation(state, plan.prepared, ctx, stream=engine_stream)
         return turns(state, plan, ctx, builder, first)
 
@@ -50,7 +64,7 @@ async def plan_responses(state: GatewayState, req: ResponsesRequest, ctx: Reques
         await persist(state, plan, out)
         return out
 
-    if req.stream:
+    if stream:
         return Generation(open_turns, framer, head=builder.take, close=plan.close_tools)
     return Generation(open_turns, framer, body=body, close=plan.close_tools)
 
@@ -90,4 +104,4 @@ async def inspect_responses(
         await plan.close_tools()
 
 
-__all__ = ["inspect_responses", "plan_responses"]
+__all__ = ["generation_of", "inspect_responses", "new_builder", "plan_responses"]

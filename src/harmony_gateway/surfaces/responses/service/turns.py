@@ -30,21 +30,32 @@ from ....pipeline.context import GatewayState, RequestContext
 from ....pipeline.drive import open_generation
 from ..output import ResponseBuilder, ToolSlot
 from ..plan import ResponsePlan, remaining_budget, render_turn
+from .compact import compact_if_due
 
 #: Seconds a cancelled request may spend closing its own MCP connections or writing its final state.
 CLOSE_TIMEOUT = 5.0
 
 
-async def begin(state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder) -> None:
+async def begin(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, ctx: RequestContext
+) -> None:
     """Before the first generation: report the tool listings, run the calls this input approves (or tell
-    the model they were declined), and render the prompt. Approved calls count against `max_tool_calls`:
-    past the limit they do not run and the model reads the limit's message, as for its own calls."""
+    the model they were declined), render the prompt, and compact the conversation when it passes the
+    request's `context_management` threshold. Approved calls count against `max_tool_calls`: past the
+    limit they do not run and the model reads the limit's message, as for its own calls."""
     loop = plan.tools
     if loop is not None:
         for item in loop.list_items():
             builder.add_list_tools(item)
-    if not plan.approvals:
-        return
+    if plan.approvals:
+        await _run_approved(state, plan, builder, loop)
+    await compact_if_due(state, plan, ctx, builder)
+
+
+async def _run_approved(
+    state: GatewayState, plan: ResponsePlan, builder: ResponseBuilder, loop: ToolLoop | None
+) -> None:
+    """Run (or decline) the calls this input answers, fill in their results, and render the prompt."""
     for decision, placeholder in plan.approvals:
         request = decision.request
         recipient = f"{request.get('server_label')}.{request.get('name')}"
@@ -105,6 +116,7 @@ async def turns(
                     raise RuntimeError("a tool call was yielded and not completed by the reader")
             if not await _next_turn(state, plan, builder, loop, parser):
                 return
+            await compact_if_due(state, plan, ctx, builder)
     finally:
         # A client that left cancels this generator, mid tool call too; the request's MCP connections
         # still close (shielded: the cancelled scope would cancel the close too).
