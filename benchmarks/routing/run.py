@@ -51,7 +51,8 @@ Reported per configuration:
 The gateways run from this checkout (`PYTHONPATH=<repo>/src`); SMG from `--smg` (default
 `/tmp/benchvenv/bin/smg`) with the offline assets of `shared/bench/make_offline_assets.py` in
 `--assets` (default `/tmp/benchassets`): `TIKTOKEN_ENCODINGS_BASE=<assets>/vocab`, `HF_HUB_OFFLINE=1`,
-`--tokenizer-path <assets>/gpt-oss-tokenizer`. Without them the SMG rows are skipped.
+`--tokenizer-path <assets>/gpt-oss-tokenizer`; the twins then serve that folder over GetTokenizer, where
+SMG looks for the served model's tokenizer. Without them the SMG rows are skipped.
 
 On a shared 2-core machine the twins, the gateways and the client share the cores: read the numbers as a
 comparison under equal conditions. Not part of `make test`.
