@@ -1,7 +1,7 @@
 """Routing on a cluster twin: replay one agentic trace over four twin engines under each routing policy.
 
     .venv/bin/python benchmarks/routing/run.py                 # the whole table, about 10 minutes
-    .venv/bin/python benchmarks/routing/run.py --quick         # a smaller trace, a couple of minutes
+    .venv/bin/python benchmarks/routing/run.py --quick         # a smaller trace, 4 configurations, ~2 min
     .venv/bin/python benchmarks/routing/run.py --configs smg,kv_aware --rounds 2 --json-out r.jsonl
     .venv/bin/python benchmarks/routing/run.py --report r.jsonl    # the table again, medians per config
     .venv/bin/python benchmarks/routing/run.py --configs kv_aware \\
@@ -51,7 +51,8 @@ Reported per configuration:
 The gateways run from this checkout (`PYTHONPATH=<repo>/src`); SMG from `--smg` (default
 `/tmp/benchvenv/bin/smg`) with the offline assets of `shared/bench/make_offline_assets.py` in
 `--assets` (default `/tmp/benchassets`): `TIKTOKEN_ENCODINGS_BASE=<assets>/vocab`, `HF_HUB_OFFLINE=1`,
-`--tokenizer-path <assets>/gpt-oss-tokenizer`. Without them the SMG rows are skipped.
+`--tokenizer-path <assets>/gpt-oss-tokenizer`; the twins then serve that folder over GetTokenizer, where
+SMG looks for the served model's tokenizer. Without them the SMG rows are skipped.
 
 On a shared 2-core machine the twins, the gateways and the client share the cores: read the numbers as a
 comparison under equal conditions. Not part of `make test`.
@@ -110,6 +111,8 @@ BUILTIN = {
     "smg_x2": Config("smg_x2", "smg", 2),
 }
 DEFAULT_CONFIGS = "round_robin,cache_aware,kv_aware,kv_aware_x2,cache_aware_x2,smg,smg_x2"
+#: `--quick` covers one and two replicas of ours and SMG, unless `--configs` names others.
+QUICK_CONFIGS = "round_robin,kv_aware,kv_aware_x2,smg"
 
 
 @dataclass(frozen=True)
@@ -601,7 +604,8 @@ def details(row: Row) -> str:
 
 def parse_configs(args: argparse.Namespace) -> list[Config]:
     configs: list[Config] = []
-    for name in filter(None, (n.strip() for n in args.configs.split(","))):
+    names = args.configs or (QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
+    for name in filter(None, (n.strip() for n in names.split(","))):
         if name not in BUILTIN:
             raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(BUILTIN)}")
         configs.append(BUILTIN[name])
@@ -619,8 +623,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="16 sessions x 6 turns to 12k tokens")
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated configurations")
+    parser.add_argument(
+        "--quick", action="store_true", help="16 sessions x 6 turns to 12k tokens, four configurations"
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma-separated configurations (default: {DEFAULT_CONFIGS}; with --quick: {QUICK_CONFIGS})",
+    )
     parser.add_argument("--extra-config", action="append", default=[], metavar="LABEL=POLICY:N:ARGS")
     parser.add_argument("--rounds", type=int, default=1, help="replays per configuration, interleaved")
     parser.add_argument("--cache-share", type=float, default=0.4, help="fleet KV capacity / working set")
