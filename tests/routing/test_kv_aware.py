@@ -81,7 +81,7 @@ def test_the_cost_is_prefill_left_plus_queued_prefill_plus_decode_load() -> None
     policy = KvAwarePolicy(overlap_weight=2.0, decode_weight=10.0)
     (score,) = policy.scores([b], req(prompt))
     assert (score.cached_tokens, score.queued_tokens, score.active) == (40, 700, 5)
-    assert score.cost == 2.0 * (100 - 40 + 700) + 10.0 * 5
+    assert score.cost == 2.0 * (100 - 40 + 0.25 * 700) + 10.0 * 5  # the default queue weight
     assert score.spill is None
 
 

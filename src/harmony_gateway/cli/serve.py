@@ -352,7 +352,7 @@ def _add_routing_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--kv-queue-weight",
         type=float,
-        default=1.0,
+        default=0.25,
         help="kv_aware: weight of the uncached prompt tokens already queued on a worker, against the "
         "prefix it holds; below 1 a session's turn waits behind a queue rather than recompute its "
         "context elsewhere",

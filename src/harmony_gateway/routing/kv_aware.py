@@ -121,7 +121,7 @@ class KvAwarePolicy(RoutingPolicy):
         self,
         *,
         overlap_weight: float = 1.0,
-        queue_weight: float = 1.0,
+        queue_weight: float = 0.25,
         decode_weight: float = 1024.0,
         load_max_age: float = 5.0,
         kv_pressure_threshold: float = 0.9,
